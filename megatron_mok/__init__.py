@@ -1,0 +1,27 @@
+"""megatron-mok: a deterministic fused MoE layer (dispatch, experts, combine) for Megatron-Core.
+
+The library works without Megatron; the Megatron adapter lives in ``megatron_mok.adapter``.
+"""
+
+from .autograd import mok_moe
+from .config import ROW_ALIGN, MoKConfig, MoKConfigError
+from .functional import MoKGrads, backward, build_schedule, forward, recompute_forward_context
+from .schedule import MoKSchedule
+from .workspace import (
+    MoKCapacityError,
+    MoKInputError,
+    MoKPeerTimeoutError,
+    MoKWorkspace,
+    clear_workspace_cache,
+    create_workspace,
+    get_workspace,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ROW_ALIGN", "MoKCapacityError", "MoKConfig", "MoKConfigError", "MoKGrads", "MoKInputError",
+    "MoKPeerTimeoutError", "MoKSchedule", "MoKWorkspace", "backward", "build_schedule",
+    "clear_workspace_cache", "create_workspace", "forward", "get_workspace", "mok_moe",
+    "recompute_forward_context",
+]

@@ -1,0 +1,118 @@
+"""``MoKMoELayer``: Megatron's MoELayer with the router kept and dispatch + experts + combine fused.
+
+Megatron's stock ``TopKRouter`` (aux losses, expert bias, group-limited routing) produces
+``probs [T, E]`` and ``routing_map [T, E]``; the layer turns them into top-k ids and weights and
+calls ``megatron_mok.mok_moe`` with the experts' stacked weights (``GroupedMLP``) and, when it
+can be fused, the shared expert's weights. Parameters keep Megatron's names and shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.utils import get_pg_size
+
+from ..autograd import mok_moe
+from ..config import MoKConfig
+from .experts import GroupedMLP
+
+# The MoKConfig the layers use; set from the command line by megatron_mok.adapter.args.
+_MOK_CONFIG = MoKConfig()
+
+
+def set_mok_config(cfg: MoKConfig) -> None:
+    global _MOK_CONFIG
+    _MOK_CONFIG = cfg
+
+
+def get_mok_config() -> MoKConfig:
+    return _MOK_CONFIG
+
+
+def routing_to_topk(probs: torch.Tensor, routing_map: torch.Tensor, topk: int):
+    """``(top_experts int32 [T, k], weights fp32 [T, k])`` from Megatron's dense router outputs.
+
+    Slots hold a token's experts in ascending id order (a stable sort, so the result is a pure
+    function of the routing map). Differentiable in ``probs``.
+    """
+    order = torch.sort(routing_map.to(torch.int8), dim=1, descending=True, stable=True).indices
+    top = order[:, :topk]
+    weights = probs.gather(1, top).to(torch.float32)
+    return top.to(torch.int32), weights
+
+
+class MoKMoELayer(MoELayer):
+    """MoE layer whose dispatch, experts and combine run as one mok call."""
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, is_mtp_layer=False, name=None):
+        _check_config(config)
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number,
+                         pg_collection=pg_collection, is_mtp_layer=is_mtp_layer, name=name)
+        if not isinstance(self.experts, GroupedMLP):
+            raise TypeError(f"--moe-backend mok needs megatron_mok GroupedMLP experts, got {type(self.experts).__name__}")
+        self.ep_group = pg_collection.ep if pg_collection is not None else self.ep_group
+
+    def _fusable_shared_weights(self):
+        """The shared expert's (fc1, fc2) weights when the kernel can run it, else None."""
+        se = getattr(self, "shared_experts", None)
+        if se is None or getattr(se, "use_shared_expert_gate", False):
+            return None
+        if get_pg_size(self.tp_group) != 1:
+            return None
+        fc1, fc2 = getattr(se.linear_fc1, "weight", None), getattr(se.linear_fc2, "weight", None)
+        if fc1 is None or fc2 is None or getattr(se.linear_fc1, "bias", None) is not None:
+            return None
+        return fc1, fc2
+
+    def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+        if intermediate_tensors is not None:
+            raise NotImplementedError("--moe-backend mok does not support --overlap-moe-expert-parallel-comm")
+        if padding_mask is not None:
+            padding_mask = padding_mask.transpose(0, 1).bool()
+
+        def fused_forward(hidden_states, padding_mask):
+            shape = hidden_states.shape
+            x = hidden_states.reshape(-1, shape[-1])
+            shared = self._fusable_shared_weights()
+            separate_shared = None
+            if shared is None and self.use_shared_expert:
+                separate_shared = self.shared_experts(hidden_states)
+            probs, routing_map = self.route(hidden_states, padding_mask)
+            top, weights = routing_to_topk(probs, routing_map, self.config.moe_router_topk)
+            fc1, fc2 = self.experts.linear_fc1.weight, self.experts.linear_fc2.weight
+            out = mok_moe(
+                x, top, weights, fc1, fc2, *(shared or (None, None)),
+                cfg=_MOK_CONFIG, group=self.ep_group, num_experts=self.config.num_moe_experts,
+            ).view(shape)
+            if separate_shared is not None:
+                out = out + separate_shared
+            return out
+
+        if self.moe_layer_recompute and self.training:
+            out = tensor_parallel.checkpoint(fused_forward, False, hidden_states, padding_mask)
+        else:
+            out = fused_forward(hidden_states, padding_mask)
+        return out, None
+
+
+def _check_config(config) -> None:
+    problems = []
+    if config.moe_expert_capacity_factor is not None:
+        problems.append("it is dropless: remove --moe-expert-capacity-factor")
+    if getattr(config, "overlap_moe_expert_parallel_comm", False):
+        problems.append("remove --overlap-moe-expert-parallel-comm")
+    if config.moe_shared_expert_overlap:
+        problems.append("the shared expert is fused into the layer: remove --moe-shared-expert-overlap")
+    if config.moe_latent_size:
+        problems.append("MoE latent projections are not supported: remove --moe-latent-size")
+    if config.expert_tensor_parallel_size not in (None, 1):
+        problems.append("use --expert-tensor-parallel-size 1")
+    if not config.gated_linear_unit:
+        problems.append("the experts are SwiGLU: pass --swiglu")
+    if config.add_bias_linear:
+        problems.append("the experts have no biases: pass --disable-bias-linear")
+    if config.moe_apply_probs_on_input:
+        problems.append("remove --moe-apply-probs-on-input")
+    if problems:
+        raise ValueError("--moe-backend mok: " + "; ".join(problems))

@@ -1,0 +1,61 @@
+"""Autograd wrapper: ``mok_moe`` runs schedule + forward, and backward through ``torch.autograd``."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import functional
+from .config import MoKConfig
+from .workspace import MoKInputError, get_workspace
+
+
+class _MoKMoE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, probs, fc1, fc2, shared_fc1, shared_fc2, cfg, ws, sched, main_grads):
+        out, fwd_ctx = functional.forward(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2)
+        ctx.cfg, ctx.ws, ctx.sched, ctx.fwd_ctx, ctx.main_grads = cfg, ws, sched, fwd_ctx, main_grads
+        ctx.save_for_backward(x, probs, fc1, fc2, shared_fc1, shared_fc2)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, probs, fc1, fc2, shared_fc1, shared_fc2 = ctx.saved_tensors
+        grads = functional.backward(
+            ctx.cfg, ctx.ws, ctx.sched, ctx.fwd_ctx, grad_out.contiguous(), x, probs, fc1, fc2,
+            shared_fc1, shared_fc2, main_grads=ctx.main_grads,
+        )
+        ctx.fwd_ctx = None
+
+        def cast(g, like):
+            return None if g is None or like is None else g.to(like.dtype)
+
+        return (
+            grads.dx, grads.dprobs, cast(grads.dfc1, fc1), cast(grads.dfc2, fc2),
+            cast(grads.dshared_fc1, shared_fc1), cast(grads.dshared_fc2, shared_fc2),
+            None, None, None, None,
+        )
+
+
+def mok_moe(x, top_experts, probs, fc1, fc2, shared_fc1=None, shared_fc2=None, *,
+            cfg: MoKConfig | None = None, group: dist.ProcessGroup | None = None,
+            num_experts: int | None = None, main_grads=None):
+    """Differentiable MoE layer: ``out[t] = shared(x[t]) + sum_s probs[t, s] * expert_{top[t, s]}(x[t])``.
+
+    x [T, H]; top_experts int [T, k] global expert ids; probs fp32 [T, k]; fc1 [nle, 2I, H];
+    fc2 [nle, H, I]; shared weights optional. ``group`` is the expert-parallel group (None: the
+    default group when torch.distributed is initialized, else a single rank).
+    """
+    cfg = cfg or MoKConfig()
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise MoKInputError(f"x must be a [T, H] tensor, got {getattr(x, 'shape', type(x))}")
+    if not isinstance(top_experts, torch.Tensor) or top_experts.dim() != 2:
+        raise MoKInputError(f"top_experts must be a [T, k] tensor, got {getattr(top_experts, 'shape', type(top_experts))}")
+    if not isinstance(fc1, torch.Tensor) or fc1.dim() != 3:
+        raise MoKInputError(f"fc1 must be a [num_local_experts, 2*I, H] tensor, got {getattr(fc1, 'shape', fc1)}")
+    ep = dist.get_world_size(group) if dist.is_initialized() else 1
+    if num_experts is None:
+        num_experts = fc1.shape[0] * ep
+    ws = get_workspace(group, x.device, x.shape[0], x.shape[1], top_experts.shape[1], num_experts, cfg)
+    sched = functional.build_schedule(cfg, ws, top_experts)
+    return _MoKMoE.apply(x, probs, fc1, fc2, shared_fc1, shared_fc2, cfg, ws, sched, main_grads)

@@ -1,0 +1,89 @@
+"""Tuning knobs of the mok MoE layer.
+
+Every knob changes only *how* the layer is computed (SM split, pipelining granularity, buffer
+sizes), never a result bit. Invalid values raise ``MoKConfigError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+# Every expert segment of the routed-row buffer is padded to this many rows (the GEMM M tile).
+# A layout constant, not a knob: changing it would change the schedule, not the results.
+ROW_ALIGN = 128
+
+PRECISIONS = ("bf16", "fp8")
+
+
+class MoKConfigError(ValueError):
+    """A MoKConfig field (or a value derived from one) is invalid."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MoKConfig:
+    """Knobs of one mok MoE layer pass.
+
+    fwd_comm_sms / bwd_comm_sms: SMs the persistent kernel gives to token movement.
+    minibatch_rows: routed rows per compute/communication overlap step (multiple of ROW_ALIGN).
+    macrobatch_rows: rows of the routed ring buffer (a multiple of minibatch_rows).
+    capacity_factor: fraction of the worst case (every token of every rank routed here) that the
+        routed-row buffer holds; 1.0 can never overflow. Overflow raises, it never drops tokens.
+    precision: "bf16" (supported) or "fp8" (block-scaled e4m3, not implemented yet).
+    peer_timeout_s: how long a device-side wait on a peer rank may spin before it reports a
+        stalled peer instead of hanging.
+    """
+
+    fwd_comm_sms: int = 24
+    bwd_comm_sms: int = 28
+    minibatch_rows: int = 4096
+    macrobatch_rows: int = 131072
+    capacity_factor: float = 1.0
+    precision: str = "bf16"
+    peer_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("fwd_comm_sms", "bwd_comm_sms", "minibatch_rows", "macrobatch_rows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise MoKConfigError(f"MoKConfig.{name} must be an int, got {value!r}")
+        for name in ("fwd_comm_sms", "bwd_comm_sms"):
+            value = getattr(self, name)
+            if not 1 <= value <= 64:
+                raise MoKConfigError(f"MoKConfig.{name} must be in [1, 64], got {value}")
+        if self.minibatch_rows <= 0 or self.minibatch_rows % ROW_ALIGN:
+            raise MoKConfigError(
+                f"MoKConfig.minibatch_rows must be a positive multiple of {ROW_ALIGN}, "
+                f"got {self.minibatch_rows}"
+            )
+        if self.macrobatch_rows <= 0 or self.macrobatch_rows % self.minibatch_rows:
+            raise MoKConfigError(
+                "MoKConfig.macrobatch_rows must be a positive multiple of minibatch_rows "
+                f"({self.minibatch_rows}), got {self.macrobatch_rows}"
+            )
+        cf = self.capacity_factor
+        if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf):
+            raise MoKConfigError(f"MoKConfig.capacity_factor must be a finite number, got {cf!r}")
+        if not 0.0 < cf <= 1.0:
+            raise MoKConfigError(f"MoKConfig.capacity_factor must be in (0, 1], got {cf}")
+        if self.precision not in PRECISIONS:
+            raise MoKConfigError(
+                f"MoKConfig.precision must be one of {PRECISIONS}, got {self.precision!r}"
+            )
+        t = self.peer_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 < t < math.inf):
+            raise MoKConfigError(f"MoKConfig.peer_timeout_s must be a positive finite number, got {t!r}")
+
+    def replace(self, **changes) -> "MoKConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def routed_capacity(cfg: MoKConfig, ep_size: int, num_tokens: int, topk: int, num_local_experts: int) -> int:
+    """Rows of the routed-row buffer on one rank (host-side sizing, no device data involved).
+
+    The worst case is every token of every rank sending min(topk, local experts) rows here, plus
+    the padding of each local expert segment to ROW_ALIGN.
+    """
+    worst = ep_size * num_tokens * min(topk, num_local_experts)
+    rows = math.ceil(cfg.capacity_factor * worst) + num_local_experts * (ROW_ALIGN - 1)
+    return -(-rows // ROW_ALIGN) * ROW_ALIGN

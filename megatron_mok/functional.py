@@ -1,0 +1,139 @@
+"""Public functional API: schedule, forward, backward, recompute.
+
+CUDA inputs run the compiled kernels (``megatron_mok.kernel_path``) when the extension is built;
+everything else runs the pure-PyTorch reference (``megatron_mok.reference``). Both follow the
+same contracts (docs/ARCHITECTURE.md). Set ``MOK_FORCE_REFERENCE=1`` to use the reference on CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from . import reference
+from .config import MoKConfig
+from .schedule import MoKSchedule, build_schedule_reference
+from .workspace import ErrorCode, MoKInputError, MoKWorkspace
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # fp64: reference only
+
+
+@dataclasses.dataclass
+class MoKGrads:
+    dx: torch.Tensor  # [T, H], dtype of x
+    dprobs: torch.Tensor  # [T, k] fp32
+    dfc1: torch.Tensor | None  # fp32; None when accumulated into main_grads
+    dfc2: torch.Tensor | None
+    dshared_fc1: torch.Tensor | None
+    dshared_fc2: torch.Tensor | None
+
+
+def _use_kernels(t: torch.Tensor) -> bool:
+    if t.device.type != "cuda" or os.environ.get("MOK_FORCE_REFERENCE") == "1":
+        return False
+    from . import ops
+
+    return ops.is_available()
+
+
+def _kernel_path():
+    from . import kernel_path
+
+    return kernel_path
+
+
+def _check_tensor(name, t, shape, dtypes, device):
+    if not isinstance(t, torch.Tensor):
+        raise MoKInputError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise MoKInputError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected {allowed}")
+    if tuple(t.shape) != tuple(shape):
+        raise MoKInputError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if t.device != device:
+        raise MoKInputError(f"{name} is on {t.device}, the workspace on {device}")
+
+
+def check_inputs(ws: MoKWorkspace, x, probs, fc1, fc2, shared_fc1=None, shared_fc2=None) -> None:
+    """Validate shapes, dtypes and devices on the host (no device data is read)."""
+    T, H, k, nle = ws.num_tokens, ws.hidden, ws.topk, ws.num_local_experts
+    if not isinstance(x, torch.Tensor) or x.dtype not in _FLOAT_DTYPES:
+        raise MoKInputError(f"x must be a bf16, fp16, fp32 or fp64 tensor, got {getattr(x, 'dtype', type(x))}")
+    _check_tensor("x", x, (T, H), _FLOAT_DTYPES, ws.device)
+    _check_tensor("probs", probs, (T, k), (torch.float32, torch.float64) if x.dtype == torch.float64 else (torch.float32,), ws.device)
+    if not isinstance(fc1, torch.Tensor) or fc1.dim() != 3:
+        raise MoKInputError(f"fc1 must be a [num_local_experts, 2*I, H] tensor, got {getattr(fc1, 'shape', fc1)}")
+    two_i = fc1.shape[1]
+    if two_i % 2:
+        raise MoKInputError(f"fc1 rows hold [gate; up] and must be even, got {two_i}")
+    _check_tensor("fc1", fc1, (nle, two_i, H), (x.dtype,), ws.device)
+    _check_tensor("fc2", fc2, (nle, H, two_i // 2), (x.dtype,), ws.device)
+    if (shared_fc1 is None) != (shared_fc2 is None):
+        raise MoKInputError("shared_fc1 and shared_fc2 must be given together (or both None)")
+    if shared_fc1 is not None:
+        if not isinstance(shared_fc1, torch.Tensor) or shared_fc1.dim() != 2 or shared_fc1.shape[0] % 2:
+            raise MoKInputError(f"shared_fc1 must be a [2*Is, H] tensor, got {getattr(shared_fc1, 'shape', shared_fc1)}")
+        two_is = shared_fc1.shape[0]
+        _check_tensor("shared_fc1", shared_fc1, (two_is, H), (x.dtype,), ws.device)
+        _check_tensor("shared_fc2", shared_fc2, (H, two_is // 2), (x.dtype,), ws.device)
+
+
+def flag_nonfinite_probs(ws: MoKWorkspace, probs: torch.Tensor) -> None:
+    """Record the first token whose router weights are NaN/inf in ``ws.errors`` (device ops)."""
+    bad = ~torch.isfinite(probs).all(dim=1)
+    idx = torch.arange(1, probs.shape[0] + 1, device=probs.device, dtype=torch.int32)
+    first = torch.where(bad, idx, torch.zeros_like(idx)).max()
+    ws.errors[ErrorCode.NONFINITE_PROBS] = torch.maximum(ws.errors[ErrorCode.NONFINITE_PROBS], first)
+
+
+def build_schedule(cfg: MoKConfig, ws: MoKWorkspace, top_experts: torch.Tensor) -> MoKSchedule:
+    """All-gather the routing of the EP group and build this rank's routed-row schedule."""
+    if _use_kernels(top_experts):
+        return _kernel_path().build_schedule(cfg, ws, top_experts)
+    return build_schedule_reference(ws, top_experts)
+
+
+def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1, fc2,
+            shared_fc1=None, shared_fc2=None):
+    """One MoE layer forward. Returns ``(out [T, H], ctx)``; ctx feeds ``backward``."""
+    check_inputs(ws, x, probs, fc1, fc2, shared_fc1, shared_fc2)
+    flag_nonfinite_probs(ws, probs)
+    if _use_kernels(x):
+        ws.check_errors()  # sync-free: raises errors of earlier calls once their copy landed
+        return _kernel_path().forward(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2)
+    ws.check_errors(blocking=True)
+    return reference.forward(ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2)
+
+
+def recompute_forward_context(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, fc1, fc2,
+                              shared_fc1=None):
+    """Rebuild the forward context (activation checkpointing): dispatch up to the expert outputs."""
+    if _use_kernels(x):
+        return _kernel_path().recompute_forward_context(cfg, ws, sched, x, fc1, fc2, shared_fc1)
+    return reference.recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1)
+
+
+def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out, x, probs, fc1, fc2,
+             shared_fc1=None, shared_fc2=None, main_grads=None) -> MoKGrads:
+    """Gradients of one MoE layer.
+
+    ``main_grads``: optional fp32 tensors ``(fc1, fc2, shared_fc1, shared_fc2)`` (entries may be
+    None) that the weight gradients are accumulated into (Megatron's gradient-accumulation
+    fusion); the matching fields of the result are then None.
+    """
+    check_inputs(ws, x, probs, fc1, fc2, shared_fc1, shared_fc2)
+    _check_tensor("grad_out", grad_out, (ws.num_tokens, ws.hidden), (x.dtype,), ws.device)
+    if _use_kernels(x) and hasattr(_kernel_path(), "backward"):
+        return _kernel_path().backward(cfg, ws, sched, ctx, grad_out, x, probs, fc1, fc2,
+                                       shared_fc1, shared_fc2, main_grads)
+    if not isinstance(ctx, reference.ReferenceContext):
+        ctx = reference.recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1)
+    dx, dprobs, *wgrads = reference.backward(ws, sched, ctx, grad_out, x, probs, fc1, fc2, shared_fc1, shared_fc2)
+    if main_grads is not None:
+        for i, main in enumerate(main_grads):
+            if main is not None and wgrads[i] is not None:
+                main.add_(wgrads[i])
+                wgrads[i] = None
+    return MoKGrads(dx.to(x.dtype), dprobs, *wgrads)

@@ -1,0 +1,151 @@
+"""Pure-PyTorch implementation of every stage: the test oracle and the CPU path.
+
+It follows the same protocol as the CUDA kernels (docs/ARCHITECTURE.md): pull-dispatch rows in
+schedule order, per-(token, slot) combine slots, fixed-order fp32 sums. Communication goes through
+torch.distributed collectives (gloo or NCCL): a rank "pulls" from the gathered source buffers and
+"pushes" by gathering every rank's rows and keeping those addressed to it. Arithmetic is fp32
+whatever the input dtype; results are cast once to the input dtype.
+
+Deterministic by construction: no atomics, every sum has a fixed order, and every matmul has the
+same shapes on every run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from .schedule import MoKSchedule
+from .workspace import MoKWorkspace, all_gather_stacked
+
+
+@dataclasses.dataclass
+class ReferenceContext:
+    """What the backward needs from the forward (fp32; fp64 for fp64 inputs)."""
+
+    x_routed: torch.Tensor  # [cap, H] dispatched rows (zeros in padding rows)
+    fc1_out: torch.Tensor  # [cap, 2I] gate/up pre-activations
+    y_routed: torch.Tensor  # [cap, H] unweighted expert outputs (router-weight gradient)
+    shared_fc1_out: torch.Tensor | None  # [T, 2Is]
+
+
+def _pull_rows(ws: MoKWorkspace, sched: MoKSchedule, per_token: torch.Tensor) -> torch.Tensor:
+    """Routed rows of every source rank's per-token tensor [T, ...] (zeros in padding rows)."""
+    gathered = all_gather_stacked(ws, per_token)  # [ep, T, ...]
+    valid = sched.row_src_rank >= 0
+    rank = sched.row_src_rank.clamp(min=0).long()
+    token = (sched.row_src_slot.clamp(min=0) // ws.topk).long()
+    rows = gathered[rank, token]
+    mask = valid.view(-1, *([1] * (rows.dim() - 1)))
+    return torch.where(mask, rows, torch.zeros_like(rows))
+
+
+def _push_rows(ws: MoKWorkspace, sched: MoKSchedule, rows: torch.Tensor) -> torch.Tensor:
+    """Place every rank's routed rows into their source's [T * k, ...] slots; return this rank's."""
+    all_rows = all_gather_stacked(ws, rows)  # [ep, cap, ...]
+    all_rank = all_gather_stacked(ws, sched.row_src_rank)  # [ep, cap]
+    all_slot = all_gather_stacked(ws, sched.row_src_slot)
+    mine = all_rank == ws.rank
+    slots = torch.zeros((ws.num_tokens * ws.topk, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
+    slots[all_slot[mine].long()] = all_rows[mine]  # slots are unique: a plain copy, no reduction
+    return slots
+
+
+def _segments(sched: MoKSchedule):
+    """(expert, first row, real row count) of each local expert (host values)."""
+    offsets = sched.expert_offsets.tolist()
+    counts = sched.expert_counts.tolist()
+    return [(e, offsets[e], counts[e]) for e in range(len(counts))]
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _swiglu(h: torch.Tensor) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    d_gate = da * up * (sig * (1 + gate * (1 - sig)))
+    d_up = da * silu
+    return torch.cat([d_gate, d_up], dim=-1)
+
+
+def recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1=None) -> ReferenceContext:
+    """Dispatch, gate/up, SwiGLU and down projection of the routed rows (no combine)."""
+    cd = _compute_dtype(x)
+    xc = x.to(cd)
+    x_routed = _pull_rows(ws, sched, xc)
+    fc1_out = torch.zeros((sched.capacity, fc1.shape[1]), dtype=cd, device=x.device)
+    y_routed = torch.zeros((sched.capacity, fc2.shape[1]), dtype=cd, device=x.device)
+    for e, start, count in _segments(sched):
+        if count == 0:
+            continue
+        rows = slice(start, start + count)
+        fc1_out[rows] = x_routed[rows] @ fc1[e].to(cd).t()
+        y_routed[rows] = _swiglu(fc1_out[rows]) @ fc2[e].to(cd).t()
+    shared_fc1_out = xc @ shared_fc1.to(cd).t() if shared_fc1 is not None else None
+    return ReferenceContext(x_routed, fc1_out, y_routed, shared_fc1_out)
+
+
+def forward(ws, sched, x, probs, fc1, fc2, shared_fc1=None, shared_fc2=None):
+    """Returns (out [T, H] in x.dtype, ReferenceContext)."""
+    ctx = recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1)
+    slots = _push_rows(ws, sched, ctx.y_routed).view(ws.num_tokens, ws.topk, -1)
+    cd = _compute_dtype(x)
+    p = probs.to(cd)
+    acc = torch.zeros((ws.num_tokens, ws.hidden), dtype=cd, device=x.device)
+    for s in range(ws.topk):  # fixed slot order
+        acc = acc + p[:, s : s + 1] * slots[:, s]
+    if shared_fc1 is not None:
+        acc = acc + _swiglu(ctx.shared_fc1_out) @ shared_fc2.to(cd).t()
+    return acc.to(x.dtype), ctx
+
+
+def backward(ws, sched, ctx: ReferenceContext, grad_out, x, probs, fc1, fc2, shared_fc1=None, shared_fc2=None):
+    """Returns (dx, dprobs, dfc1, dfc2, dshared_fc1, dshared_fc2); weight grads in fp32 (fp64 for fp64 x)."""
+    cd = _compute_dtype(x)
+    gc = grad_out.to(cd)
+    k = ws.topk
+    g_rows = _pull_rows(ws, sched, gc)  # [cap, H]
+    w_all = all_gather_stacked(ws, probs.to(cd))  # [ep, T, k]
+    valid = sched.row_src_rank >= 0
+    w_rows = w_all[sched.row_src_rank.clamp(min=0).long(), :, :].reshape(-1, ws.num_tokens * k)
+    w_rows = w_rows.gather(1, sched.row_src_slot.clamp(min=0).long().unsqueeze(1)).squeeze(1)
+    w_rows = torch.where(valid, w_rows, torch.zeros_like(w_rows))
+    d_w_rows = (g_rows * ctx.y_routed).sum(-1)  # <dY, y>, the router-weight gradient per row
+    dy = g_rows * w_rows.unsqueeze(1)
+    dx_rows = torch.zeros_like(ctx.x_routed)
+    dfc1 = torch.zeros(fc1.shape, dtype=cd, device=fc1.device)
+    dfc2 = torch.zeros(fc2.shape, dtype=cd, device=fc2.device)
+    for e, start, count in _segments(sched):
+        if count == 0:
+            continue  # an expert without tokens keeps an exact zero gradient
+        rows = slice(start, start + count)
+        h = ctx.fc1_out[rows]
+        a = _swiglu(h)
+        dfc2[e] = dy[rows].t() @ a
+        dh = _swiglu_backward(h, dy[rows] @ fc2[e].to(cd))
+        dfc1[e] = dh.t() @ ctx.x_routed[rows]
+        dx_rows[rows] = dh @ fc1[e].to(cd)
+    dx_slots = _push_rows(ws, sched, dx_rows).view(ws.num_tokens, k, -1)
+    dprobs = _push_rows(ws, sched, d_w_rows).view(ws.num_tokens, k)
+    dx = torch.zeros_like(gc)
+    for s in range(k):  # fixed slot order
+        dx = dx + dx_slots[:, s]
+    dshared_fc1 = dshared_fc2 = None
+    if shared_fc1 is not None:
+        h = ctx.shared_fc1_out
+        a = _swiglu(h)
+        dshared_fc2 = gc.t() @ a
+        dh = _swiglu_backward(h, gc @ shared_fc2.to(cd))
+        dshared_fc1 = dh.t() @ x.to(cd)
+        dx = dx + dh @ shared_fc1.to(cd)
+    return dx, dprobs, dfc1, dfc2, dshared_fc1, dshared_fc2
