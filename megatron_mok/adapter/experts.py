@@ -13,13 +13,13 @@ backends when TransformerEngine is missing: ``torch._grouped_mm``, never a per-e
 
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
 import torch.nn.functional as F
-from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 
@@ -111,33 +111,55 @@ class GroupedMLP(MegatronModule):
         pass
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
-        """Per-expert shards under SequentialMLP's keys (``{prefix}experts.linear_fc1.weight``)."""
-        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+        """Per-expert shards under SequentialMLP's keys (``{prefix}experts.linear_fc1.weight``).
 
-        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        Each stacked weight is one ``ShardedTensorFactory`` whose data is the parameter itself (so
+        Megatron maps optimizer states onto it) and which builds, per local expert, the shards
+        SequentialMLP writes: an expert axis, and for the GLU ``fc1`` the gate and up halves as
+        two fragments of the output axis.
+        """
         singleton = (metadata or {}).get("singleton_local_shards", False)
+        if singleton:
+            raise NotImplementedError("megatron_mok GroupedMLP does not support singleton_local_shards checkpoints")
         num_global = get_pg_size(self.ep_group) * self.num_local_experts
         first = get_pg_rank(self.ep_group) * self.num_local_experts
+        replica_id = (0, 0, get_pg_rank(self.dp_group))
         out = {}
-        for name, tp_axis in (("linear_fc1", 0), ("linear_fc2", 1)):
+        for name, glu in (("linear_fc1", True), ("linear_fc2", False)):
             weight = getattr(self, name).weight
-            for i in range(self.num_local_experts):
-                g = first + i
-                if singleton:
-                    sh_prefix, offsets = f"{prefix}experts.{g}.{name}.", sharded_offsets
-                else:
-                    sh_prefix = f"{prefix}experts.{name}."
-                    offsets = (*sharded_offsets, (len(sharded_offsets), g, num_global))
-                sd = make_sharded_tensors_for_checkpoint(
-                    {"weight": weight[i]}, sh_prefix, {"weight": tp_axis}, offsets,
-                    tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"],
-                )
-                sh_ten = sd[f"{sh_prefix}weight"]
-                if name == "linear_fc1":
-                    sh_ten = apply_swiglu_sharded_factory(
-                        sh_ten, offsets, singleton, tp_group=self.tp_group, dp_group=metadata["dp_cp_group"]
-                    )
-                sh_ten.replica_id = (*sh_ten.replica_id[:2], get_pg_rank(self.dp_group))
-                out[f"{prefix}{name}.weight{i}"] = sh_ten
+            out[f"{prefix}{name}.weight"] = ShardedTensorFactory(
+                key=f"{prefix}experts.{name}.weight",
+                data=weight,
+                build_fn=functools.partial(_build_expert_shards, sharded_offsets=sharded_offsets,
+                                           first=first, num_global=num_global, glu=glu),
+                merge_fn=functools.partial(_merge_expert_shards, glu=glu),
+                replica_id=replica_id,
+            )
         return out
 
+
+def _build_expert_shards(key, t, replica_id, flattened_range, *, sharded_offsets, first, num_global, glu):
+    """One ShardedTensor per expert (two for a GLU weight: gate and up), as SequentialMLP saves."""
+    if flattened_range is not None:
+        raise NotImplementedError("megatron_mok GroupedMLP checkpoints need a non-flattened optimizer state")
+    shards = []
+    for i in range(t.shape[0]):
+        offsets = (*sharded_offsets, (len(sharded_offsets), first + i, num_global))
+        axis = len(offsets)  # the weight's output axis, after the prepended ones
+        if glu:
+            halves = t[i].chunk(2, dim=0)
+            frags = [(axis, j, 2) for j in range(2)]
+        else:
+            halves = [t[i]]
+            frags = [(axis + 1, 0, 1)]  # row-parallel: the input axis is the (size-1) TP axis
+        for piece, frag in zip(halves, frags):
+            shards.append(ShardedTensor.from_rank_offsets(
+                key, piece, *offsets, frag, replica_id=replica_id, prepend_axis_num=len(offsets)
+            ))
+    return shards
+
+
+def _merge_expert_shards(pieces, *, glu):
+    if glu:
+        return torch.stack([torch.cat(pieces[i : i + 2]) for i in range(0, len(pieces), 2)])
+    return torch.stack(pieces)
