@@ -31,10 +31,11 @@ def _env():
     return env
 
 
-def train(backend: str, *extra: str, cwd: Path, nproc: int = 2, check: bool = True):
-    """Run the tiny config; return (iteration -> (loss, grad norm) as printed, full log)."""
+def train(backend: str, *extra: str, cwd: Path, nproc: int = 2, check: bool = True, args_file: Path | None = None):
+    """Run a tiny config; return (iteration -> (loss, grad norm) as printed, full log)."""
+    config = args_file.read_text().split() if args_file else TINY
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "megatron_mok.pretrain_gpt", *TINY, "--moe-backend", backend, *extra]
+           "-m", "megatron_mok.pretrain_gpt", *config, "--moe-backend", backend, *extra]
     proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
     if check and proc.returncode != 0:

@@ -1,0 +1,56 @@
+"""The shipped recipes: every args file parses with Megatron's parser, full and 2xH200 proxy recipes
+have the MoE layer shape of their model, and every CPU-tiny recipe trains with --moe-backend mok."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_mok.shapes import MOE_SHAPES
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+VARIANTS = ("", "-proxy", "-tiny")
+
+
+def _parse(path: Path, monkeypatch):
+    from megatron.training.arguments import parse_args
+
+    from megatron_mok.adapter.backends import add_mok_args
+
+    monkeypatch.setattr(sys, "argv", ["pretrain", *path.read_text().split(), "--moe-backend", "mok"])
+    return parse_args(add_mok_args)
+
+
+def test_every_model_has_three_variants():
+    for name in MOE_SHAPES:
+        for variant in VARIANTS:
+            assert (CONFIGS / f"{name}{variant}.args").is_file(), f"{name}{variant}.args missing"
+
+
+@pytest.mark.parametrize("name", sorted(MOE_SHAPES))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_recipe_parses_with_the_model_moe_shape(name, variant, monkeypatch):
+    args = _parse(CONFIGS / f"{name}{variant}.args", monkeypatch)
+    shape = MOE_SHAPES[name]
+    assert args.moe_backend == "mok"
+    assert args.swiglu and not args.add_bias_linear
+    assert args.moe_shared_expert_intermediate_size == args.moe_ffn_hidden_size  # one shared expert
+    if variant == "-tiny":
+        assert args.expert_model_parallel_size == 2 and args.mock_data
+        return
+    got = (args.num_experts, args.hidden_size, args.moe_ffn_hidden_size, args.moe_router_topk)
+    assert got == (shape.num_experts, shape.hidden, shape.ffn, shape.topk)
+    if variant == "-proxy":
+        assert args.expert_model_parallel_size == 2 and args.num_layers == 2
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", sorted(set(MOE_SHAPES) - {"deepseek-v3"}))
+def test_tiny_recipe_trains_with_mok(name, tmp_path):
+    from test_training import train
+
+    iters, log = train("mok", "--train-iters", "3", cwd=tmp_path,
+                       args_file=CONFIGS / f"{name}-tiny.args")
+    assert sorted(iters) == [1, 2, 3], log[-3000:]
