@@ -11,6 +11,7 @@ import dataclasses
 import os
 
 import torch
+import torch.distributed as dist
 
 from . import reference
 from .config import MoKConfig
@@ -103,6 +104,10 @@ def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1,
     if _use_kernels(x):
         ws.check_errors()  # sync-free: raises errors of earlier calls once their copy landed
         return _kernel_path().forward(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2)
+    if ws.ep_size > 1:
+        # The probs check above only saw this rank's router weights; the reference forward's next
+        # step is a collective, so every rank must raise together or the healthy ones would hang.
+        dist.all_reduce(ws.errors, op=dist.ReduceOp.MAX, group=ws.group)
     ws.check_errors(blocking=True)
     return reference.forward(ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2)
 

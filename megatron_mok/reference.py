@@ -117,8 +117,10 @@ def backward(ws, sched, ctx: ReferenceContext, grad_out, x, probs, fc1, fc2, sha
     g_rows = _pull_rows(ws, sched, gc)  # [cap, H]
     w_all = all_gather_stacked(ws, probs.to(cd))  # [ep, T, k]
     valid = sched.row_src_rank >= 0
-    w_rows = w_all[sched.row_src_rank.clamp(min=0).long(), :, :].reshape(-1, ws.num_tokens * k)
-    w_rows = w_rows.gather(1, sched.row_src_slot.clamp(min=0).long().unsqueeze(1)).squeeze(1)
+    # One router weight per row (indexing [ep, T * k] directly: no [capacity, T * k] intermediate).
+    w_rows = w_all.reshape(ws.ep_size, ws.num_tokens * k)[
+        sched.row_src_rank.clamp(min=0).long(), sched.row_src_slot.clamp(min=0).long()
+    ]
     w_rows = torch.where(valid, w_rows, torch.zeros_like(w_rows))
     d_w_rows = (g_rows * ctx.y_routed).sum(-1)  # <dY, y>, the router-weight gradient per row
     dy = g_rows * w_rows.unsqueeze(1)

@@ -13,7 +13,7 @@ import dataclasses
 import torch
 
 from .config import ROW_ALIGN
-from .workspace import ErrorCode, MoKInputError, MoKWorkspace, all_gather_stacked
+from .workspace import ErrorCode, MoKInputError, MoKWorkspace, _check_ranks_agree, all_gather_stacked
 
 
 @dataclasses.dataclass
@@ -70,7 +70,8 @@ def flag_overflow(ws: MoKWorkspace, top_experts_all: torch.Tensor) -> None:
 
 
 def all_gather_routing(ws: MoKWorkspace, top_experts: torch.Tensor) -> torch.Tensor:
-    return all_gather_stacked(ws, top_experts.to(torch.int32))
+    # Saturate before narrowing: an int64 id such as 2**32 must stay out of range, not wrap to 0.
+    return all_gather_stacked(ws, top_experts.clamp(-1, ws.num_experts).to(torch.int32))
 
 
 def schedule_from_routing(ws: MoKWorkspace, top_experts_all: torch.Tensor) -> MoKSchedule:
@@ -114,6 +115,12 @@ def schedule_from_routing(ws: MoKWorkspace, top_experts_all: torch.Tensor) -> Mo
 
 def build_schedule_reference(ws: MoKWorkspace, top_experts: torch.Tensor) -> MoKSchedule:
     validate_top_experts(ws, top_experts)
+    # A rank whose workspace came from the cache skipped the creation-time agreement check, so a
+    # rank calling with other shapes would exchange mismatched buffers: check on every call.
+    _check_ranks_agree(
+        ws.group, ws.device, [ws.num_tokens, ws.hidden, ws.topk, ws.num_experts],
+        ["num_tokens (T)", "hidden size (H)", "top-k", "num_experts"],
+    )
     top_all = all_gather_routing(ws, top_experts)
     flag_bad_routing(ws, top_all)
     # Every rank sees every rank's routing, so every rank raises the same error here: no rank is

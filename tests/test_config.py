@@ -1,0 +1,167 @@
+"""MoKConfig validation and routed-row capacity sizing (host only, no process group)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import pytest
+
+from megatron_mok import ROW_ALIGN, MoKConfig, MoKConfigError
+from megatron_mok.config import PRECISIONS, routed_capacity
+
+INT_FIELDS = ("fwd_comm_sms", "bwd_comm_sms", "minibatch_rows", "macrobatch_rows")
+
+# (field, bad value, why): every entry must raise MoKConfigError naming the field.
+BAD_VALUES = [
+    # int knobs: wrong type (float, str, None), bool (an int subclass), zero, negative
+    *[(f, v, why) for f in INT_FIELDS for v, why in (
+        (24.0, "float"), ("24", "str"), (None, "None"), (True, "bool True"), (False, "bool False"),
+        (0, "zero"), (-1, "negative"), (-ROW_ALIGN, "negative multiple of ROW_ALIGN"),
+    )],
+    # comm SMs: out of [1, 64]
+    ("fwd_comm_sms", 65, "above 64"), ("fwd_comm_sms", 10**9, "huge"),
+    ("bwd_comm_sms", 65, "above 64"), ("bwd_comm_sms", 1000, "huge"),
+    # row counts: not a multiple of ROW_ALIGN
+    ("minibatch_rows", ROW_ALIGN - 1, "below ROW_ALIGN"), ("minibatch_rows", ROW_ALIGN + 1, "not aligned"),
+    ("minibatch_rows", 1000, "not aligned"), ("minibatch_rows", 1, "one row"),
+    ("macrobatch_rows", ROW_ALIGN + 64, "not a multiple of minibatch_rows"),
+    ("macrobatch_rows", 4096 + ROW_ALIGN, "not a multiple of minibatch_rows (4096)"),
+    ("macrobatch_rows", 2048, "smaller than minibatch_rows (4096)"),
+    # capacity_factor: non-finite, zero, negative, above 1, non-numbers
+    ("capacity_factor", float("nan"), "NaN"), ("capacity_factor", float("inf"), "inf"),
+    ("capacity_factor", float("-inf"), "-inf"), ("capacity_factor", 0.0, "zero"), ("capacity_factor", 0, "int zero"),
+    ("capacity_factor", -0.5, "negative"), ("capacity_factor", 1.0000001, "just above 1"),
+    ("capacity_factor", 2, "int above 1"), ("capacity_factor", 1.5, "above 1"),
+    ("capacity_factor", "1.0", "str"), ("capacity_factor", None, "None"), ("capacity_factor", True, "bool"),
+    # precision: unknown names and non-strings
+    ("precision", "fp16", "unknown"), ("precision", "BF16", "wrong case"), ("precision", "fp32", "unknown"),
+    ("precision", "", "empty"), ("precision", None, "None"), ("precision", 16, "int"),
+    # peer_timeout_s: zero, negative, non-finite, non-numbers
+    ("peer_timeout_s", 0, "zero"), ("peer_timeout_s", 0.0, "zero float"), ("peer_timeout_s", -1.0, "negative"),
+    ("peer_timeout_s", float("inf"), "inf"), ("peer_timeout_s", float("nan"), "NaN"),
+    ("peer_timeout_s", "30", "str"), ("peer_timeout_s", None, "None"), ("peer_timeout_s", True, "bool"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "why"), BAD_VALUES,
+                         ids=[f"{f}-{why.replace(' ', '_')}" for f, _, why in BAD_VALUES])
+def test_invalid_field_raises_naming_it(field, value, why):
+    with pytest.raises(MoKConfigError) as info:
+        MoKConfig(**{field: value})
+    assert field in str(info.value), f"{why}: message does not name {field}: {info.value}"
+    assert isinstance(info.value, ValueError)  # MoKConfigError is a ValueError
+    # replace() validates the same way
+    with pytest.raises(MoKConfigError, match=field):
+        MoKConfig().replace(**{field: value})
+
+
+def test_macrobatch_checked_against_a_custom_minibatch():
+    MoKConfig(minibatch_rows=256, macrobatch_rows=768)
+    with pytest.raises(MoKConfigError, match="macrobatch_rows"):
+        MoKConfig(minibatch_rows=256, macrobatch_rows=640)  # multiple of ROW_ALIGN, not of 256
+    with pytest.raises(MoKConfigError, match="macrobatch_rows"):
+        MoKConfig(minibatch_rows=256, macrobatch_rows=128)
+
+
+def test_defaults_are_valid():
+    cfg = MoKConfig()
+    assert cfg.fwd_comm_sms == 24 and cfg.bwd_comm_sms == 28
+    assert cfg.minibatch_rows == 4096 and cfg.macrobatch_rows == 131072
+    assert cfg.capacity_factor == 1.0 and cfg.precision == "bf16" and cfg.peer_timeout_s == 30.0
+    assert cfg.minibatch_rows % ROW_ALIGN == 0 and cfg.macrobatch_rows % cfg.minibatch_rows == 0
+    assert cfg.precision in PRECISIONS
+    assert ROW_ALIGN == 128
+
+
+@pytest.mark.parametrize("changes", [
+    dict(fwd_comm_sms=1, bwd_comm_sms=64),
+    dict(fwd_comm_sms=64, bwd_comm_sms=1),
+    dict(minibatch_rows=ROW_ALIGN, macrobatch_rows=ROW_ALIGN),
+    dict(minibatch_rows=3 * ROW_ALIGN, macrobatch_rows=9 * ROW_ALIGN),
+    dict(capacity_factor=1), dict(capacity_factor=1e-6), dict(capacity_factor=0.5),
+    dict(precision="fp8"),
+    dict(peer_timeout_s=1), dict(peer_timeout_s=1e-3), dict(peer_timeout_s=1e9),
+], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_valid_values_accepted(changes):
+    cfg = MoKConfig(**changes)
+    for k, v in changes.items():
+        assert getattr(cfg, k) == v
+    assert MoKConfig().replace(**changes) == cfg
+
+
+def test_config_is_frozen():
+    cfg = MoKConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.capacity_factor = 0.5  # type: ignore[misc]
+
+
+def _max_padded_rows(ep: int, tokens: int, topk: int, nle: int) -> int:
+    """Exact maximum, over every routing, of the padded rows one rank can receive.
+
+    Each local expert receives c_e <= ep*tokens rows (a token holds an expert at most once) and the
+    rank receives sum_e c_e <= ep*tokens*min(topk, nle) rows. Its padded size is
+    ROW_ALIGN * sum_e ceil(c_e / ROW_ALIGN). The first block of an expert costs one row, each
+    further block ROW_ALIGN rows, so a greedy fill gives the maximum of this relaxation (which is
+    >= the maximum over real routings).
+    """
+    total = ep * tokens * min(topk, nle)
+    per_expert = ep * tokens
+    first_blocks = min(nle, total)
+    extra_per_expert = -(-per_expert // ROW_ALIGN) - 1
+    extra = min((total - first_blocks) // ROW_ALIGN, nle * extra_per_expert)
+    return ROW_ALIGN * (first_blocks + extra)
+
+
+def _brute_force_max_padded_rows(ep, tokens, topk, nle):
+    """Enumerate count vectors to validate ``_max_padded_rows`` itself.
+
+    Only the smallest count of each padded size is enumerated (0, 1, ROW_ALIGN + 1, ...): lowering a
+    count to the smallest one with the same ceil(c / ROW_ALIGN) keeps the padded rows and only
+    loosens the row budget, so the maximum is the same as over every count vector.
+    """
+    import itertools
+
+    total, per_expert = ep * tokens * min(topk, nle), ep * tokens
+    candidates = sorted({0} | {min(per_expert, ROW_ALIGN * j + 1) for j in range(-(-per_expert // ROW_ALIGN))})
+    best = 0
+    for counts in itertools.product(candidates, repeat=nle):
+        if sum(counts) <= total:
+            best = max(best, sum(-(-c // ROW_ALIGN) * ROW_ALIGN for c in counts))
+    return best
+
+
+@pytest.mark.parametrize(("ep", "tokens", "topk", "nle"), [
+    (1, 130, 1, 2), (1, 300, 2, 2), (2, 129, 1, 3), (1, 257, 3, 3), (3, 50, 2, 2), (1, 5, 2, 3),
+    (4, 333, 2, 4), (2, 600, 3, 4), (1, 700, 4, 5), (1, 1, 1, 4), (8, 17, 4, 3), (1, 128, 2, 2), (1, 129, 2, 2),
+])
+def test_max_padded_rows_helper_is_exact(ep, tokens, topk, nle):
+    assert _max_padded_rows(ep, tokens, topk, nle) == _brute_force_max_padded_rows(ep, tokens, topk, nle)
+
+
+def test_routed_capacity_covers_worst_case_at_capacity_factor_one():
+    rng = random.Random(20240611)
+    cfg = MoKConfig(capacity_factor=1.0)
+    cases = [(1, 1, 1, 1), (1, 1, 8, 8), (72, 1, 8, 1), (8, 4096, 8, 32), (64, 1, 1, 256)]
+    cases += [(rng.choice([1, 2, 3, 4, 8, 16, 64]), rng.randint(1, 5000), rng.randint(1, 16), rng.randint(1, 64))
+              for _ in range(3000)]
+    for ep, tokens, topk, nle in cases:
+        cap = routed_capacity(cfg, ep, tokens, topk, nle)
+        worst = _max_padded_rows(ep, tokens, topk, nle)
+        assert cap >= worst, (ep, tokens, topk, nle, cap, worst)
+        assert cap % ROW_ALIGN == 0
+        # ... and not absurdly larger than needed (at most one extra block per local expert + 1)
+        assert cap <= ep * tokens * min(topk, nle) + nle * ROW_ALIGN + ROW_ALIGN
+
+
+def test_routed_capacity_is_monotone_in_capacity_factor():
+    rng = random.Random(7)
+    for _ in range(500):
+        ep, tokens, topk, nle = rng.randint(1, 16), rng.randint(1, 3000), rng.randint(1, 8), rng.randint(1, 16)
+        caps = [routed_capacity(MoKConfig(capacity_factor=cf), ep, tokens, topk, nle)
+                for cf in (1e-3, 0.1, 0.25, 0.5, 0.9, 1.0)]
+        assert caps == sorted(caps)
+        assert all(c % ROW_ALIGN == 0 and c >= nle * (ROW_ALIGN - 1) for c in caps)
+        # a fraction f of the worst-case rows always fits, plus the padding of every segment
+        assert caps[3] >= math.ceil(0.5 * ep * tokens * min(topk, nle))
