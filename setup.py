@@ -54,7 +54,6 @@ if _want_extension():
                     "-Xptxas=--warn-on-spills",
                 ],
             },
-            libraries=["cuda"],
         )
     ]
     cmdclass = {"build_ext": BuildExtension}

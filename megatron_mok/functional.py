@@ -102,7 +102,8 @@ def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1,
     check_inputs(ws, x, probs, fc1, fc2, shared_fc1, shared_fc2)
     flag_nonfinite_probs(ws, probs)
     if _use_kernels(x):
-        ws.check_errors()  # sync-free: raises errors of earlier calls once their copy landed
+        if not torch.cuda.is_current_stream_capturing():
+            ws.check_errors()  # sync-free: raises errors of earlier calls once their copy landed
         return _kernel_path().forward(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2)
     if ws.ep_size > 1:
         # The probs check above only saw this rank's router weights; the reference forward's next

@@ -1,0 +1,198 @@
+// torch op registrations of the mok kernels (namespace megatron_mok). The only file that includes
+// torch headers; the kernels themselves live in csrc/kernels/*.cu behind csrc/kernels/launch.h.
+//
+// Symmetric peer buffers arrive as int[] lists of addresses (one per rank, rank order) taken from
+// torch symmetric memory handles on the Python side; they are passed to the kernels by value.
+#include <Python.h>
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "kernels/launch.h"
+
+namespace {
+
+using at::Tensor;
+
+cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+void check(const char* msg) { TORCH_CHECK(msg == nullptr, msg); }
+
+void check_cuda(const Tensor& t, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK(t.is_cuda(), "megatron_mok: ", name, " must be a CUDA tensor");
+  TORCH_CHECK(t.scalar_type() == dtype, "megatron_mok: ", name, " has dtype ", t.scalar_type(), ", expected ", dtype);
+  TORCH_CHECK(t.is_contiguous(), "megatron_mok: ", name, " must be contiguous");
+}
+
+mok::PeerPtrs peers(const std::vector<int64_t>& ptrs, const char* name) {
+  TORCH_CHECK(!ptrs.empty() && ptrs.size() <= static_cast<size_t>(mok::kMaxPeers), "megatron_mok: ", name,
+              " must list 1..", mok::kMaxPeers, " peer addresses, got ", ptrs.size());
+  mok::PeerPtrs p{};
+  for (size_t i = 0; i < ptrs.size(); ++i) {
+    TORCH_CHECK(ptrs[i] != 0 && ptrs[i] % 16 == 0, "megatron_mok: ", name, "[", i, "] is not a 16-byte aligned address");
+    p.p[i] = reinterpret_cast<void*>(ptrs[i]);
+  }
+  return p;
+}
+
+void gather_routing(const Tensor& top_experts, Tensor& state, std::vector<int64_t> peer_bufs, int64_t rank,
+                    int64_t num_experts) {
+  TORCH_CHECK(top_experts.is_cuda() && top_experts.is_contiguous(), "megatron_mok: top_experts must be contiguous CUDA");
+  TORCH_CHECK(top_experts.scalar_type() == at::kInt || top_experts.scalar_type() == at::kLong,
+              "megatron_mok: top_experts must be int32 or int64");
+  check_cuda(state, "state", at::kInt);
+  c10::cuda::CUDAGuard guard(top_experts.device());
+  check(mok::launch_gather_routing(top_experts.data_ptr(), top_experts.scalar_type() == at::kLong,
+                                   static_cast<int>(top_experts.numel()), peers(peer_bufs, "peer_bufs"),
+                                   state.data_ptr<int>(), static_cast<int>(rank), static_cast<int>(peer_bufs.size()),
+                                   static_cast<int>(num_experts), current_stream()));
+}
+
+void barrier(Tensor& state, Tensor& errors, std::vector<int64_t> peer_flags, int64_t rank, double timeout_s,
+             int64_t bump_gather) {
+  check_cuda(state, "state", at::kInt);
+  check_cuda(errors, "errors", at::kInt);
+  TORCH_CHECK(timeout_s > 0, "megatron_mok: barrier timeout must be positive");
+  c10::cuda::CUDAGuard guard(state.device());
+  const double ns = timeout_s * 1e9;
+  const uint64_t timeout_ns = ns > 1.8e19 ? UINT64_MAX : static_cast<uint64_t>(ns);
+  check(mok::launch_barrier(peers(peer_flags, "peer_flags"), state.data_ptr<int>(), errors.data_ptr<int>(),
+                            static_cast<int>(rank), static_cast<int>(peer_flags.size()), timeout_ns,
+                            static_cast<int>(bump_gather), current_stream()));
+}
+
+void build_schedule(const Tensor& routing_buf, const Tensor& state, Tensor& errors, Tensor& top_all,
+                    Tensor& row_src_rank, Tensor& row_src_slot, Tensor& expert_counts, Tensor& expert_offsets,
+                    Tensor& scratch, int64_t rank, int64_t num_experts) {
+  for (auto* t : {&routing_buf, &state}) check_cuda(*t, "schedule input", at::kInt);
+  for (auto* t : {&errors, &top_all, &row_src_rank, &row_src_slot, &expert_counts, &expert_offsets, &scratch})
+    check_cuda(*t, "schedule output", at::kInt);
+  TORCH_CHECK(top_all.dim() == 3, "megatron_mok: top_all must be [ep, T, k]");
+  const int ep = top_all.size(0), T = top_all.size(1), k = top_all.size(2);
+  const int nle = expert_counts.numel();
+  TORCH_CHECK(routing_buf.numel() == 2 * top_all.numel(), "megatron_mok: routing buffer must be [2, ep, T, k]");
+  TORCH_CHECK(expert_offsets.numel() == nle + 1, "megatron_mok: expert_offsets must have nle + 1 entries");
+  TORCH_CHECK(row_src_slot.numel() == row_src_rank.numel(), "megatron_mok: row arrays differ in size");
+  TORCH_CHECK(scratch.numel() >= mok::schedule_scratch_ints(ep, T, nle, num_experts), "megatron_mok: scratch too small");
+  c10::cuda::CUDAGuard guard(top_all.device());
+  check(mok::launch_schedule(routing_buf.data_ptr<int>(), state.data_ptr<int>(), errors.data_ptr<int>(),
+                             top_all.data_ptr<int>(), row_src_rank.data_ptr<int>(), row_src_slot.data_ptr<int>(),
+                             expert_counts.data_ptr<int>(), expert_offsets.data_ptr<int>(), scratch.data_ptr<int>(),
+                             static_cast<int>(rank), ep, T, k, nle, static_cast<int>(num_experts),
+                             static_cast<int>(row_src_rank.numel()), current_stream()));
+}
+
+void dispatch(const Tensor& row_src_rank, const Tensor& row_src_slot, const Tensor& expert_offsets, Tensor& x_routed,
+              std::vector<int64_t> peer_x, int64_t topk, int64_t num_ctas) {
+  for (auto* t : {&row_src_rank, &row_src_slot, &expert_offsets}) check_cuda(*t, "schedule tensor", at::kInt);
+  check_cuda(x_routed, "x_routed", at::kBFloat16);
+  TORCH_CHECK(x_routed.dim() == 2 && x_routed.size(0) == row_src_rank.numel(), "megatron_mok: x_routed must be [capacity, H]");
+  c10::cuda::CUDAGuard guard(x_routed.device());
+  check(mok::launch_dispatch(row_src_rank.data_ptr<int>(), row_src_slot.data_ptr<int>(), expert_offsets.data_ptr<int>(),
+                             static_cast<int>(expert_offsets.numel() - 1), static_cast<int>(row_src_rank.numel()),
+                             peers(peer_x, "peer_x"), x_routed.data_ptr(), static_cast<int>(x_routed.size(1)),
+                             static_cast<int>(topk), static_cast<int>(num_ctas), current_stream()));
+}
+
+void grouped_gemm(const Tensor& a, const Tensor& b, const std::optional<Tensor>& seg_offsets,
+                  const std::optional<Tensor>& seg_counts, Tensor& out, bool swiglu, int64_t num_ctas) {
+  check_cuda(a, "a", at::kBFloat16);
+  check_cuda(b, "b", at::kBFloat16);
+  check_cuda(out, "out", at::kBFloat16);
+  TORCH_CHECK(a.dim() == 2 && out.dim() == 2 && out.size(0) == a.size(0), "megatron_mok: gemm a [M, K], out [M, N]");
+  TORCH_CHECK(b.dim() == 2 || b.dim() == 3, "megatron_mok: gemm b must be [rows, K] or [nseg, rows, K]");
+  const int64_t K = a.size(1), N = out.size(1);
+  TORCH_CHECK(b.size(-1) == K, "megatron_mok: gemm K mismatch");
+  const int64_t b_rows = b.size(-2);
+  const int nseg = b.dim() == 3 ? static_cast<int>(b.size(0)) : 1;
+  TORCH_CHECK(b_rows == (swiglu ? 2 * N : N), "megatron_mok: gemm b rows must be ", swiglu ? "2 N" : "N");
+  const int* seg = nullptr;
+  if (seg_offsets.has_value()) {
+    check_cuda(*seg_offsets, "seg_offsets", at::kInt);
+    TORCH_CHECK(seg_offsets->numel() == nseg + 1, "megatron_mok: seg_offsets must have nseg + 1 entries");
+    seg = seg_offsets->data_ptr<int>();
+  } else {
+    TORCH_CHECK(nseg == 1, "megatron_mok: several segments need seg_offsets");
+  }
+  const int* counts = nullptr;
+  if (seg_counts.has_value()) {
+    check_cuda(*seg_counts, "seg_counts", at::kInt);
+    TORCH_CHECK(seg && seg_counts->numel() == nseg, "megatron_mok: seg_counts needs seg_offsets and nseg entries");
+    counts = seg_counts->data_ptr<int>();
+  }
+  c10::cuda::CUDAGuard guard(a.device());
+  check(mok::launch_grouped_gemm(swiglu, a.data_ptr(), a.size(0), static_cast<int>(K), b.data_ptr(),
+                                 static_cast<int>(b_rows), seg, counts, nseg, out.data_ptr(), static_cast<int>(N),
+                                 static_cast<int>(num_ctas), current_stream()));
+}
+
+void combine(const Tensor& y, const Tensor& row_src_rank, const Tensor& row_src_slot, const Tensor& expert_offsets,
+             Tensor& state, std::vector<int64_t> peer_comb, int64_t num_ctas) {
+  check_cuda(y, "y", at::kBFloat16);
+  for (auto* t : {&row_src_rank, &row_src_slot, &expert_offsets}) check_cuda(*t, "schedule tensor", at::kInt);
+  check_cuda(state, "state", at::kInt);
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == row_src_rank.numel(), "megatron_mok: y must be [capacity, H]");
+  c10::cuda::CUDAGuard guard(y.device());
+  check(mok::launch_combine(y.data_ptr(), row_src_rank.data_ptr<int>(), row_src_slot.data_ptr<int>(),
+                            expert_offsets.data_ptr<int>(), static_cast<int>(expert_offsets.numel() - 1),
+                            static_cast<int>(row_src_rank.numel()), peers(peer_comb, "peer_comb"),
+                            static_cast<int>(y.size(1)), static_cast<int>(num_ctas), current_stream()));
+}
+
+void moe_epilogue(const Tensor& comb, const Tensor& probs, const std::optional<Tensor>& shared_y, Tensor& out) {
+  check_cuda(comb, "comb", at::kBFloat16);
+  check_cuda(probs, "probs", at::kFloat);
+  check_cuda(out, "out", at::kBFloat16);
+  TORCH_CHECK(out.dim() == 2 && probs.dim() == 2 && probs.size(0) == out.size(0), "megatron_mok: out [T, H], probs [T, k]");
+  const int64_t T = out.size(0), H = out.size(1), k = probs.size(1);
+  TORCH_CHECK(comb.numel() >= T * k * H, "megatron_mok: combine buffer smaller than [T * k, H]");
+  const void* sy = nullptr;
+  if (shared_y.has_value()) {
+    check_cuda(*shared_y, "shared_y", at::kBFloat16);
+    TORCH_CHECK(shared_y->sizes() == out.sizes(), "megatron_mok: shared_y must be [T, H]");
+    sy = shared_y->data_ptr();
+  }
+  c10::cuda::CUDAGuard guard(out.device());
+  check(mok::launch_epilogue(comb.data_ptr(), probs.data_ptr<float>(), sy, out.data_ptr(), static_cast<int>(T),
+                             static_cast<int>(k), static_cast<int>(H), current_stream()));
+}
+
+}  // namespace
+
+TORCH_LIBRARY(megatron_mok, m) {
+  m.def("gather_routing(Tensor top_experts, Tensor(a!) state, int[] peer_bufs, int rank, int num_experts) -> ()");
+  m.def("barrier(Tensor(a!) state, Tensor(b!) errors, int[] peer_flags, int rank, float timeout_s, int bump_gather) -> ()");
+  m.def(
+      "build_schedule(Tensor routing_buf, Tensor state, Tensor(a!) errors, Tensor(b!) top_all, Tensor(c!) row_src_rank, "
+      "Tensor(d!) row_src_slot, Tensor(e!) expert_counts, Tensor(f!) expert_offsets, Tensor(g!) scratch, int rank, "
+      "int num_experts) -> ()");
+  m.def(
+      "dispatch(Tensor row_src_rank, Tensor row_src_slot, Tensor expert_offsets, Tensor(a!) x_routed, int[] peer_x, "
+      "int topk, int num_ctas) -> ()");
+  m.def(
+      "grouped_gemm(Tensor a, Tensor b, Tensor? seg_offsets, Tensor? seg_counts, Tensor(a!) out, bool swiglu, "
+      "int num_ctas) -> ()");
+  m.def(
+      "combine(Tensor y, Tensor row_src_rank, Tensor row_src_slot, Tensor expert_offsets, Tensor(a!) state, "
+      "int[] peer_comb, int num_ctas) -> ()");
+  m.def("moe_epilogue(Tensor comb, Tensor probs, Tensor? shared_y, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
+  m.impl("gather_routing", &gather_routing);
+  m.impl("barrier", &barrier);
+  m.impl("build_schedule", &build_schedule);
+  m.impl("dispatch", &dispatch);
+  m.impl("grouped_gemm", &grouped_gemm);
+  m.impl("combine", &combine);
+  m.impl("moe_epilogue", &moe_epilogue);
+}
+
+// `import megatron_mok._C` loads this library (and with it the registrations above); the module
+// itself is empty.
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}

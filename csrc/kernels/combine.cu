@@ -1,0 +1,104 @@
+// Push-combine and the fixed-order epilogue.
+//
+// combine: every real routed row writes its expert output into its unique slot (token * k + s) of
+// the source rank's symmetric [T * k, H] buffer (16-byte stores over NVLink, no atomics).
+// epilogue: after a barrier, each rank sums its k slots per token in slot order in fp32 with
+// explicit round-to-nearest multiplies and adds (no FMA contraction, so the bits depend only on the
+// inputs), adds the shared expert output, and casts once.
+#include "common.cuh"
+
+namespace mok {
+namespace {
+
+constexpr int kUnroll = 4;
+
+__global__ void combine_kernel(const __nv_bfloat16* __restrict__ y, const int* __restrict__ row_src_rank,
+                               const int* __restrict__ row_src_slot, const int* __restrict__ expert_offsets, int nle,
+                               int capacity, PeerPtrs comb_bufs, int H) {
+  const int total = min(expert_offsets[nle], capacity);
+  const int lane = threadIdx.x % 32;
+  const int warps = gridDim.x * (blockDim.x / 32);
+  const int n16 = H / 8;
+  for (int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; row < total; row += warps) {
+    const int dst_rank = row_src_rank[row];
+    if (dst_rank < 0) continue;
+    const int64_t slot = row_src_slot[row];
+    uint4* dst = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(comb_bufs.p[dst_rank]) + slot * H);
+    const uint4* src = reinterpret_cast<const uint4*>(y + static_cast<int64_t>(row) * H);
+    int c = lane;
+    for (; c + 32 * (kUnroll - 1) < n16; c += 32 * kUnroll) {
+      uint4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) v[u] = ld16(src + c + 32 * u);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) st16(dst + c + 32 * u, v[u]);
+    }
+    for (; c < n16; c += 32) st16(dst + c, ld16(src + c));
+  }
+}
+
+__device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 p = __bfloat1622float2(h[j]);
+    f[2 * j] = p.x;
+    f[2 * j + 1] = p.y;
+  }
+}
+
+// grid (ceil(H / 8 / blockDim), T): one thread per 8 columns of one token.
+__global__ void epilogue_kernel(const __nv_bfloat16* __restrict__ comb, const float* __restrict__ probs,
+                                const __nv_bfloat16* __restrict__ shared_y, __nv_bfloat16* __restrict__ out, int k,
+                                int H) {
+  const int c8 = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c8 * 8 >= H) return;
+  const int64_t t = blockIdx.y;
+  float acc[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j] = 0.f;
+  for (int s = 0; s < k; ++s) {
+    const float p = probs[t * k + s];
+    float f[8];
+    unpack8(ld16(comb + (t * k + s) * H + c8 * 8), f);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(p, f[j]));
+  }
+  if (shared_y != nullptr) {
+    float f[8];
+    unpack8(ld16(shared_y + t * H + c8 * 8), f);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], f[j]);
+  }
+  uint4 o;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+  st16(out + t * H + c8 * 8, o);
+}
+
+}  // namespace
+
+const char* launch_combine(const void* y, const int* row_src_rank, const int* row_src_slot, const int* expert_offsets,
+                           int nle, int capacity, const PeerPtrs& comb_bufs, int H, int num_ctas, cudaStream_t stream) {
+  if (H % 8) return "mok combine: H must be a multiple of 8";
+  if (num_ctas <= 0) num_ctas = 4 * num_sms();
+  combine_kernel<<<num_ctas, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(y), row_src_rank, row_src_slot,
+                                                expert_offsets, nle, capacity, comb_bufs, H);
+  return launch_status();
+}
+
+const char* launch_epilogue(const void* comb, const float* probs, const void* shared_y, void* out, int T, int k, int H,
+                            cudaStream_t stream) {
+  if (H % 8) return "mok epilogue: H must be a multiple of 8";
+  if (T <= 0) return nullptr;
+  if (T > 65535) return "mok epilogue: more than 65535 tokens";
+  const int threads = 128;
+  dim3 grid((H / 8 + threads - 1) / threads, T);
+  epilogue_kernel<<<grid, threads, 0, stream>>>(static_cast<const __nv_bfloat16*>(comb), probs,
+                                                static_cast<const __nv_bfloat16*>(shared_y),
+                                                static_cast<__nv_bfloat16*>(out), k, H);
+  return launch_status();
+}
+
+}  // namespace mok

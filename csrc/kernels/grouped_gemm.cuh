@@ -1,0 +1,172 @@
+// Grouped GEMM building blocks for sm_90a: TMA loads (128-byte swizzle) into a STAGES-deep
+// shared-memory ring, a producer warp, and two consumer warpgroups issuing wgmma m64n256k16
+// (bf16 in, fp32 accumulate) on a 128 x 256 tile. The SwiGLU variant loads [gate; up] halves of
+// 128 rows each as the 256 B-rows, so gate column j and up column j sit in the same thread's
+// accumulators (d[i] and d[i + 64]) and the epilogue computes silu(gate) * up in registers.
+//
+// Tiles are owned by exactly one CTA and reduce over K in a fixed order, so the output bits do not
+// depend on the grid size or on which CTA runs which tile.
+#pragma once
+
+#include "common.cuh"
+#include "swiglu.cuh"
+
+namespace mok {
+namespace gemm {
+
+constexpr int BM = 128;          // rows per tile (= ROW_ALIGN: a tile never straddles two experts)
+constexpr int BN = 256;          // accumulator columns per tile
+constexpr int BK = 64;           // K per stage: one 128-byte swizzle atom of bf16
+constexpr int kStages = 4;
+constexpr int kThreads = 384;    // warpgroup 0: producer; 1, 2: consumers (64 rows each)
+constexpr int kABytes = BM * BK * 2;        // 16 KB
+constexpr int kBBytes = BN * BK * 2;        // 32 KB
+constexpr int kStageBytes = kABytes + kBBytes;
+constexpr int kSmemBytes = kStages * kStageBytes + 1024 /* alignment */ + 2 * kStages * 8;
+
+struct Params {
+  const int* seg_offsets;  // [nseg + 1] on the device, or null: one segment of a_rows rows
+  const int* seg_counts;   // [nseg] real rows of each segment (rest: zero padding), or null: all real
+  int nseg;
+  int skip_padding;        // a consumer warpgroup whose 64 rows are all padding issues no wgmma
+  int a_rows;              // rows of A and out (tiles at or past min(seg end, a_rows) are skipped)
+  int K;
+  int N;                   // output columns
+  int b_rows_per_seg;
+  int n_tiles;             // ceil(N / (swiglu ? BN / 2 : BN))
+  __nv_bfloat16* out;      // [a_rows, N] row-major
+};
+
+// The ring: stage s holds A at a(s) (BM x BK) and B at b(s) (BN x BK), 1024-byte aligned.
+struct Smem {
+  uint8_t* base;
+  uint64_t* full;
+  uint64_t* empty;
+  __device__ __forceinline__ uint8_t* a(int s) const { return base + s * kABytes; }
+  __device__ __forceinline__ uint8_t* b(int s) const { return base + kStages * kABytes + s * kBBytes; }
+};
+
+__device__ __forceinline__ Smem carve_smem(uint8_t* raw) {
+  Smem s;
+  s.base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+  s.full = reinterpret_cast<uint64_t*>(s.base + kStages * kStageBytes);
+  s.empty = s.full + kStages;
+  return s;
+}
+
+__device__ __forceinline__ int rows_total(const Params& p) {
+  return p.seg_offsets ? min(p.seg_offsets[p.nseg], p.a_rows) : p.a_rows;
+}
+
+// Segment holding row `row` (segments start at multiples of BM, so a tile is inside one).
+__device__ __forceinline__ int find_segment(const Params& p, int row) {
+  if (!p.seg_offsets) return 0;
+  int lo = 0, hi = p.nseg;  // first index in [0, nseg] with seg_offsets[idx] > row, minus one
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (p.seg_offsets[mid + 1] <= row) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+// Producer: one thread streams the A and B K-blocks of `tile` through the ring.
+template <bool kSwiGLU>
+__device__ __forceinline__ void produce_tile(const Params& p, const CUtensorMap* tmA, const CUtensorMap* tmB,
+                                             const Smem& sm, int tile, uint32_t& it) {
+  const int m = tile / p.n_tiles, n = tile % p.n_tiles;
+  const int row0 = m * BM;
+  const int brow = find_segment(p, row0) * p.b_rows_per_seg;
+  const int b0 = kSwiGLU ? brow + n * (BN / 2) : brow + n * BN;
+  const int b1 = kSwiGLU ? brow + p.N + n * (BN / 2) : b0 + BN / 2;
+  const int nk = (p.K + BK - 1) / BK;
+  for (int kb = 0; kb < nk; ++kb, ++it) {
+    const int s = it % kStages;
+    const uint32_t phase = (it / kStages) & 1;
+    mbar_wait(&sm.empty[s], phase ^ 1);
+    mbar_arrive_expect_tx(&sm.full[s], kStageBytes);
+    tma_load_2d(sm.a(s), tmA, &sm.full[s], kb * BK, row0);
+    tma_load_2d(sm.b(s), tmB, &sm.full[s], kb * BK, b0);
+    tma_load_2d(sm.b(s) + kBBytes / 2, tmB, &sm.full[s], kb * BK, b1);
+  }
+}
+
+// Does consumer warpgroup `cw` of `tile` hold any real row? Padding rows of a segment are zeros
+// (dispatch zero-fills them), so their outputs are exact zeros whether computed or not: skipping
+// their wgmmas frees the tensor cores for the other warpgroup and changes no bit.
+__device__ __forceinline__ bool half_active(const Params& p, int tile, int cw) {
+  const int row = (tile / p.n_tiles) * BM + cw * (BM / 2);
+  if (!p.skip_padding) return true;
+  if (!p.seg_offsets) return row < p.a_rows;
+  const int e = find_segment(p, row);
+  return p.seg_counts == nullptr || row < p.seg_offsets[e] + p.seg_counts[e];
+}
+
+// Consumer warpgroup `cw` (0 or 1): rows 64 cw .. 64 cw + 63 of the tile, all 256 columns.
+// An inactive warpgroup only keeps the ring's barrier phases and returns zero accumulators.
+__device__ __forceinline__ void mma_tile(const Params& p, const Smem& sm, int cw, float (&acc)[128], uint32_t& it,
+                                         bool active) {
+  const int nk = (p.K + BK - 1) / BK;
+  if (!active) {
+    for (int kb = 0; kb < nk; ++kb, ++it) {
+      const int s = it % kStages;
+      mbar_wait(&sm.full[s], (it / kStages) & 1);
+      mbar_arrive(&sm.empty[s]);
+    }
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    return;
+  }
+  int prev = -1;
+  for (int kb = 0; kb < nk; ++kb, ++it) {
+    const int s = it % kStages;
+    const uint32_t phase = (it / kStages) & 1;
+    mbar_wait(&sm.full[s], phase);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      const uint64_t da = wgmma_desc_sw128(sm.a(s) + cw * (BM / 2) * 128 + kk * 32);
+      const uint64_t db = wgmma_desc_sw128(sm.b(s) + kk * 32);
+      wgmma_m64n256k16(acc, da, db, (kb > 0 || kk > 0) ? 1 : 0);
+    }
+    wgmma_commit();
+    if (prev >= 0) {
+      wgmma_wait<1>();
+      mbar_arrive(&sm.empty[prev]);
+    }
+    prev = s;
+  }
+  wgmma_wait<0>();
+  fence_regs(acc);
+  mbar_arrive(&sm.empty[prev]);
+}
+
+// Epilogue straight from the accumulators: bf16 pairs to global memory, rows < row_limit,
+// columns < N.
+template <bool kSwiGLU>
+__device__ __forceinline__ void store_tile(const Params& p, int tile, int cw, const float (&acc)[128], int row_limit) {
+  const int m = tile / p.n_tiles, n = tile % p.n_tiles;
+  const int t = threadIdx.x % 128;
+  const int warp = t / 32, lane = t % 32;
+  const int r_base = m * BM + cw * (BM / 2) + 16 * warp + lane / 4;
+  const int c_base = (kSwiGLU ? n * (BN / 2) : n * BN) + 2 * (lane % 4);
+  constexpr int kPairs = kSwiGLU ? 32 : 64;  // (column pairs) x (two row halves) per thread
+#pragma unroll
+  for (int q = 0; q < kPairs; ++q) {
+    const int i = 2 * q;
+    const int r = r_base + 8 * ((i / 2) % 2);
+    const int c = c_base + 8 * (i / 4);
+    float v0, v1;
+    if constexpr (kSwiGLU) {
+      v0 = swiglu(acc[i], acc[i + 64]);
+      v1 = swiglu(acc[i + 1], acc[i + 65]);
+    } else {
+      v0 = acc[i];
+      v1 = acc[i + 1];
+    }
+    if (r < row_limit && c < p.N)
+      *reinterpret_cast<__nv_bfloat162*>(p.out + static_cast<int64_t>(r) * p.N + c) = __floats2bfloat162_rn(v0, v1);
+  }
+}
+
+}  // namespace gemm
+}  // namespace mok

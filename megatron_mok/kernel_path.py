@@ -1,0 +1,219 @@
+"""The CUDA path of the mok layer: the compiled kernels of csrc/ behind the functional API.
+
+``build_schedule`` and ``forward`` have the semantics and return types of the reference ones
+(``megatron_mok.schedule.build_schedule_reference``, ``megatron_mok.reference.forward``) and
+follow docs/ARCHITECTURE.md. They never synchronise with the host (no ``.item()``, ``.tolist()``,
+``.cpu()``, no data-dependent shapes), so a whole layer forward can be captured in a CUDA graph
+once the workspace's symmetric buffers exist (the first call on a workspace creates them; that
+first call is collective and host-blocking, like ``symm_mem.rendezvous``).
+
+Forward, per rank (stage 2: one launch per step):
+
+1. copy ``x`` into this rank's symmetric ``x`` buffer; device barrier;
+2. pull-dispatch the scheduled rows from the peers' ``x`` buffers into ``x_routed``;
+3. shared expert: gate/up GEMM with SwiGLU fused in the epilogue, down GEMM;
+4. routed experts: the same two grouped GEMMs over the 128-row expert segments;
+5. push-combine each routed output row into its slot of the source rank's symmetric
+   ``[T * k, H]`` buffer; device barrier;
+6. epilogue: ``out[t] = sum_s probs[t, s] * slot[t, s]`` in fp32 in slot order, plus the shared
+   expert output, cast once.
+
+Device barriers are epoch counters in a symmetric int32 buffer of this module (not torch's
+signal pad); a peer that does not arrive within ``MoKConfig.peer_timeout_s`` sets
+``ws.errors[PEER_TIMEOUT] = 1 + peer`` and the kernels go on instead of hanging (results are then
+garbage; ``ws.check_errors`` raises ``MoKPeerTimeoutError``). After a timeout the workspace's
+barrier epochs no longer agree across ranks: create a new workspace.
+
+Supported by the kernels: bf16 ``x`` and weights, fp32 ``probs``, ``H``, ``I`` and ``Is``
+multiples of 8, ``T <= 65535``, EP size <= 72. Other inputs run the reference path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from . import ops, reference
+from .config import MoKConfig
+from .schedule import MoKSchedule, validate_top_experts
+from .workspace import MoKWorkspace
+
+STATE_INTS = 8  # csrc/kernels/launch.h: StateSlot
+
+
+@dataclasses.dataclass
+class KernelContext:
+    """What the forward keeps for the backward (bf16; freshly allocated per call).
+
+    Rows at or past ``sched.expert_offsets[nle]`` are never written (undefined); padding rows
+    inside an expert segment hold zeros in ``x_routed`` (and the matching GEMM outputs).
+    The gate/up pre-activations are not stored: the backward recomputes them from ``x_routed``
+    (one gate/up GEMM), as MoK does for the macrobatches it does not keep.
+    """
+
+    x_routed: torch.Tensor  # [cap, H] dispatched rows
+    act: torch.Tensor  # [cap, I] silu(x_routed @ gate^T) * (x_routed @ up^T)
+    y_routed: torch.Tensor  # [cap, H] unweighted expert outputs (router-weight gradient)
+    shared_act: torch.Tensor | None  # [T, Is] SwiGLU output of the shared expert
+
+
+class _Comm:
+    """Symmetric buffers and device state of one workspace (created on first use, collectively)."""
+
+    def __init__(self, ws: MoKWorkspace):
+        self.ws = ws
+        self.buffers: dict = {}
+        self.state = torch.zeros(STATE_INTS, dtype=torch.int32, device=ws.device)
+        flags, self.flag_ptrs = self.buffer("barrier_flags", (ws.ep_size,), torch.int32, init_zero=True)
+        self.route_buf, self.route_ptrs = self.buffer(
+            "routing", (2, ws.ep_size, ws.num_tokens, ws.topk), torch.int32)
+
+    def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, init_zero: bool = False):
+        key = (name, tuple(shape), dtype)
+        if key not in self.buffers:
+            ws = self.ws
+            if ws.ep_size == 1 and not dist.is_initialized():
+                buf = torch.empty(shape, dtype=dtype, device=ws.device)
+                ptrs = [buf.data_ptr()]
+            else:
+                buf, handle = ws.symmetric(f"mok.{name}", shape, dtype)
+                ptrs = [int(p) for p in handle.buffer_ptrs]
+            if init_zero:
+                buf.zero_()
+                if dist.is_initialized() and ws.ep_size > 1:
+                    # No peer may store into this buffer before every rank has zeroed its own.
+                    torch.cuda.synchronize(ws.device)
+                    dist.barrier(group=ws.group)
+            self.buffers[key] = (buf, ptrs)
+        return self.buffers[key]
+
+
+_COMMS: "weakref.WeakKeyDictionary[MoKWorkspace, _Comm]" = weakref.WeakKeyDictionary()
+
+
+def _comm(ws: MoKWorkspace) -> _Comm:
+    c = _COMMS.get(ws)
+    if c is None:
+        c = _COMMS[ws] = _Comm(ws)
+    return c
+
+
+def _unsupported_reason(ws: MoKWorkspace, x, fc1, shared_fc1) -> str | None:
+    if x.dtype != torch.bfloat16:
+        return f"x is {x.dtype} (kernels: bf16)"
+    if ws.hidden % 8 or fc1.shape[1] % 16:
+        return "H and I must be multiples of 8"
+    if shared_fc1 is not None and shared_fc1.shape[0] % 16:
+        return "Is must be a multiple of 8"
+    if ws.num_tokens > 65535:
+        return "T > 65535"
+    if ws.ep_size > 72:
+        return "EP size > 72"
+    return None
+
+
+_WARNED: set = set()
+
+
+def _fallback(reason: str) -> None:
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"megatron_mok: running the reference path on CUDA: {reason}", stacklevel=3)
+
+
+# ---- schedule -----------------------------------------------------------------------------------
+
+
+def build_schedule(cfg: MoKConfig, ws: MoKWorkspace, top_experts: torch.Tensor) -> MoKSchedule:
+    """All-gather the routing by peer stores and build this rank's schedule on the device.
+
+    Bad expert ids, duplicates and capacity overflow (of any rank) are flagged in ``ws.errors``
+    and raised by a later ``ws.check_errors()`` (no sync here).
+    """
+    validate_top_experts(ws, top_experts)
+    c = _comm(ws)
+    dev, ep, T, k, nle, cap = ws.device, ws.ep_size, ws.num_tokens, ws.topk, ws.num_local_experts, ws.capacity
+    ops.gather_routing(top_experts.contiguous(), c.state, c.route_ptrs, ws.rank, ws.num_experts)
+    ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s, bump_gather=True)
+    i32 = dict(dtype=torch.int32, device=dev)
+    top_all = torch.empty((ep, T, k), **i32)
+    row_src_rank = torch.empty((cap,), **i32)
+    row_src_slot = torch.empty((cap,), **i32)
+    counts = torch.empty((nle,), **i32)
+    offsets = torch.empty((nle + 1,), **i32)
+    scratch = torch.empty((ops.schedule_scratch_ints(ep, T, nle, ws.num_experts),), **i32)
+    ops.build_schedule(c.route_buf, c.state, ws.errors, top_all, row_src_rank, row_src_slot, counts, offsets,
+                       scratch, ws.rank, ws.num_experts)
+    return MoKSchedule(top_all, row_src_rank, row_src_slot, counts, offsets)
+
+
+# ---- forward ------------------------------------------------------------------------------------
+
+
+def _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1, *, gemm_ctas=0, comm_ctas=0) -> KernelContext:
+    """Steps 1-4 of the forward. Peers may still read this rank's x buffer afterwards: the caller
+    ends with a barrier before any rank rewrites it (``forward``: before the epilogue)."""
+    c = _comm(ws)
+    T, H, k, cap = ws.num_tokens, ws.hidden, ws.topk, sched.capacity
+    I = fc1.shape[1] // 2
+    bf16 = dict(dtype=torch.bfloat16, device=ws.device)
+    xs, x_ptrs = c.buffer("x", (T, H), torch.bfloat16)
+    xs.copy_(x)
+    ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
+    x_routed = torch.empty((cap, H), **bf16)
+    ops.dispatch(sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, x_routed, x_ptrs, k, comm_ctas)
+    shared_act = None
+    if shared_fc1 is not None:
+        shared_act = torch.empty((T, shared_fc1.shape[0] // 2), **bf16)
+        ops.grouped_gemm(x.contiguous(), shared_fc1.contiguous(), None, shared_act, True, gemm_ctas)
+    act = torch.empty((cap, I), **bf16)
+    ops.grouped_gemm(x_routed, fc1.contiguous(), sched.expert_offsets, act, True, gemm_ctas, sched.expert_counts)
+    y_routed = torch.empty((cap, H), **bf16)
+    ops.grouped_gemm(act, fc2.contiguous(), sched.expert_offsets, y_routed, False, gemm_ctas, sched.expert_counts)
+    return KernelContext(x_routed, act, y_routed, shared_act)
+
+
+def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1, fc2, shared_fc1=None,
+            shared_fc2=None, *, out: torch.Tensor | None = None, gemm_ctas: int = 0, comm_ctas: int = 0):
+    """One layer forward on the device. Returns ``(out [T, H] bf16, KernelContext)``.
+
+    ``out``: optional preallocated output (tests poison it); ``gemm_ctas`` / ``comm_ctas``: CTA
+    counts of the GEMMs and of dispatch/combine (0: derived from the SM count). No knob changes
+    a result bit.
+    """
+    reason = _unsupported_reason(ws, x, fc1, shared_fc1)
+    if reason is not None:
+        _fallback(reason)
+        return reference.forward(ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2)
+    c = _comm(ws)
+    T, H, k = ws.num_tokens, ws.hidden, ws.topk
+    comb, comb_ptrs = c.buffer("comb", (T * k, H), torch.bfloat16)
+    ctx = _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1, gemm_ctas=gemm_ctas, comm_ctas=comm_ctas)
+    shared_y = None
+    if shared_fc1 is not None:
+        shared_y = torch.empty((T, H), dtype=torch.bfloat16, device=ws.device)
+        ops.grouped_gemm(ctx.shared_act, shared_fc2.contiguous(), None, shared_y, False, gemm_ctas)
+    ops.combine(ctx.y_routed, sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, c.state, comb_ptrs,
+                comm_ctas)
+    ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
+    if out is None:
+        out = torch.empty((T, H), dtype=torch.bfloat16, device=ws.device)
+    ops.moe_epilogue(comb, probs.contiguous(), shared_y, out)
+    return out, ctx
+
+
+def recompute_forward_context(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, fc1, fc2, shared_fc1=None):
+    """Dispatch and expert GEMMs again (activation checkpointing); no combine."""
+    reason = _unsupported_reason(ws, x, fc1, shared_fc1)
+    if reason is not None:
+        _fallback(reason)
+        return reference.recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1)
+    ctx = _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1)
+    c = _comm(ws)
+    # Peers may still read this rank's x buffer: no rank rewrites its buffer before all are done.
+    ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
+    return ctx

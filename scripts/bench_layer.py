@@ -1,0 +1,556 @@
+#!/usr/bin/env python3
+"""One MoE layer forward: mok vs NCCL+PyTorch (Megatron's alltoall dispatcher) vs torch symm-mem a2a.
+
+Launch with torchrun, one process per GPU; EP = world size (1 works without torchrun):
+
+    torchrun --nproc-per-node=2 scripts/bench_layer.py --shape all --tokens 2048,4096 \\
+        --backends mok,alltoall,symm_a2a --pass fwd --iters 50
+
+Backends (same inputs, same weights, bf16, one shared expert of size Is = I):
+  mok       megatron_mok.build_schedule + megatron_mok.forward (the CUDA kernels of csrc/)
+  alltoall  Megatron-Core MoEAlltoAllTokenDispatcher (NCCL all-to-all) + torch._grouped_mm experts
+  symm_a2a  torch.ops.symm_mem.all_to_all_vdev_2d dispatch, all_to_all_vdev_2d_offset combine,
+            torch._grouped_mm experts. Needs the NVSHMEM symmetric-memory backend, selected before
+            the first symmetric allocation, so it runs in a child process per rank (after the others).
+
+Timing: CUDA events around every iteration on every rank, warm-up first; the reported time is the
+median over iterations of the per-iteration maximum over ranks. Forward FLOPs per rank =
+6 T k H I + 6 T H Is. The roofline is an 8192^3 bf16 matmul measured in the same run.
+Correctness gate first: mok against the fp32 reference (megatron_mok.reference) at T=256 with the
+real H, I, E, k; every backend's output against mok's (relative error, reported).
+Results: bench/results/<YYYY-MM-DD>_<gpu>_ep<N>_<pass>.json (merged with an existing file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+
+NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+os.environ.update(NO_MULTICAST_ENV)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron_mok.shapes import MOE_SHAPES  # noqa: E402
+
+# model: (experts, hidden H, expert I, top-k); one shared expert with Is = I (docs: DESIGN.md)
+SHAPES = {name: (s.num_experts, s.hidden, s.ffn, s.topk) for name, s in MOE_SHAPES.items()}
+BACKENDS = ("mok", "alltoall", "symm_a2a")
+
+
+_T0 = time.time()
+
+
+def log(msg: str, all_ranks: bool = False) -> None:
+    if all_ranks or not dist.is_initialized() or dist.get_rank() == 0:
+        who = f"r{dist.get_rank()} " if all_ranks and dist.is_initialized() else ""
+        print(f"[{time.time() - _T0:6.1f}s] {who}{msg}", flush=True)
+
+
+# ---- inputs ---------------------------------------------------------------------------------------
+
+
+def make_case(shape: str, T: int, routing: str, seed: int, dev):
+    E, H, I, k = SHAPES[shape]
+    ep = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    nle = E // ep
+    g = torch.Generator(device=dev).manual_seed(seed * 1000 + rank)
+    bf = torch.bfloat16
+    x = torch.randn(T, H, device=dev, generator=g).to(bf)
+    if routing == "random":
+        top = torch.rand(T, E, device=dev, generator=g).argsort(dim=1)[:, :k]
+    else:  # skewed: Zipf(1.2) expert popularity, same permutation on every rank
+        gp = torch.Generator(device=dev).manual_seed(seed)
+        w = 1.0 / torch.arange(1, E + 1, device=dev, dtype=torch.float64) ** 1.2
+        w = w[torch.randperm(E, device=dev, generator=gp)]
+        top = torch.multinomial(w.expand(T, E), k, replacement=False, generator=g)
+    probs = torch.softmax(torch.randn(T, k, device=dev, generator=g), dim=1).float()
+
+    def w_(*s, fan):
+        return (torch.randn(*s, device=dev, generator=g) / fan**0.5).to(bf)
+
+    fc1, fc2 = w_(nle, 2 * I, H, fan=H), w_(nle, H, I, fan=I)
+    sfc1, sfc2 = w_(2 * I, H, fan=H), w_(H, I, fan=I)
+    return dict(E=E, H=H, I=I, k=k, Is=I, T=T, nle=nle, x=x, top=top.contiguous(), probs=probs,
+                fc1=fc1, fc2=fc2, sfc1=sfc1, sfc2=sfc2)
+
+
+def shared_expert(c):
+    h = c["x"] @ c["sfc1"].t()
+    return (F.silu(h[:, : c["Is"]]) * h[:, c["Is"]:]) @ c["sfc2"].t()
+
+
+# ---- backends: each returns a step() -> out [T, H] --------------------------------------------------
+
+
+def backend_mok(c, dev):
+    from megatron_mok import MoKConfig, functional, get_workspace, ops
+
+    if not ops.is_available():
+        raise RuntimeError(f"megatron_mok._C not available: {ops.load_error()}")
+    cfg = MoKConfig()
+    ws = get_workspace(None, dev, c["T"], c["H"], c["k"], c["E"], cfg)
+
+    def step():
+        sched = functional.build_schedule(cfg, ws, c["top"])
+        out, _ = functional.forward(cfg, ws, sched, c["x"], c["probs"], c["fc1"], c["fc2"], c["sfc1"], c["sfc2"])
+        return out
+
+    return step, ws
+
+
+def _megatron_groups():
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    singles = [dist.new_group([r]) for r in range(world)]
+    pgs = ProcessGroupCollection()
+    pgs.ep = dist.group.WORLD
+    pgs.tp_ep = dist.group.WORLD
+    pgs.expt_tp = singles[rank]
+    return pgs
+
+
+_PGS = None
+
+
+def backend_alltoall(c, dev):
+    global _PGS
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if _PGS is None:
+        _PGS = _megatron_groups()
+    ep, rank = dist.get_world_size(), dist.get_rank()
+    cfg = TransformerConfig(
+        num_layers=1, hidden_size=c["H"], num_attention_heads=8, num_moe_experts=c["E"], moe_router_topk=c["k"],
+        moe_token_dispatcher_type="alltoall", expert_model_parallel_size=ep, moe_ffn_hidden_size=c["I"],
+        ffn_hidden_size=c["I"], bf16=True, params_dtype=torch.bfloat16, add_bias_linear=False,
+        moe_permute_fusion=False, gated_linear_unit=True)
+    nle = c["nle"]
+    disp = MoEAlltoAllTokenDispatcher(nle, list(range(rank * nle, (rank + 1) * nle)), cfg, pg_collection=_PGS)
+    routing_map = torch.zeros(c["T"], c["E"], dtype=torch.bool, device=dev).scatter_(1, c["top"], True)
+    probs_dense = torch.zeros(c["T"], c["E"], dtype=torch.float32, device=dev).scatter_(1, c["top"], c["probs"])
+    fc1t, fc2t = c["fc1"].transpose(1, 2), c["fc2"].transpose(1, 2)
+    I = c["I"]
+
+    def step():
+        tok, pp = disp.dispatch_preprocess(c["x"], routing_map, probs_dense)
+        tok, pp = disp.token_dispatch(tok, pp)
+        tok, tpe, pp = disp.dispatch_postprocess(tok, pp)
+        offs = torch.cumsum(tpe, 0).to(device=dev, dtype=torch.int32)
+        h = torch._grouped_mm(tok, fc1t, offs=offs)
+        a = (F.silu(h[:, :I]) * h[:, I:] * pp.unsqueeze(1)).to(torch.bfloat16)  # Megatron: probs in the activation
+        y = torch._grouped_mm(a, fc2t, offs=offs)
+        y = disp.combine_preprocess(y)
+        y = disp.token_combine(y)
+        return disp.combine_postprocess(y) + shared_expert(c)
+
+    return step, None
+
+
+class _SymmA2A:
+    """Buffers of the symm-mem all-to-all baseline (NVSHMEM backend), sized for the worst case."""
+
+    ALIGN = 16
+
+    def __init__(self, c, dev):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        ep = dist.get_world_size()
+        T, H, k, nle, E = c["T"], c["H"], c["k"], c["nle"], c["E"]
+        self.group_name = dist.group.WORLD.group_name
+        cap_out = ep * T * min(k, nle) + nle * self.ALIGN  # every row of every rank here, plus alignment
+        bf = torch.bfloat16
+        self.inp = symm_mem.empty(T * k, H, dtype=bf, device=dev)
+        self.out = symm_mem.empty(cap_out, H, dtype=bf, device=dev)
+        self.y = symm_mem.empty(cap_out, H, dtype=bf, device=dev)
+        self.back = symm_mem.empty(T * k, H, dtype=bf, device=dev)
+        self.in_splits = symm_mem.empty(E, dtype=torch.int64, device=dev)
+        self.out_so = symm_mem.empty(2, E, dtype=torch.int64, device=dev)
+        self.back_so = symm_mem.empty(2, E, dtype=torch.int64, device=dev)
+        for t in (self.inp, self.out, self.y, self.back, self.in_splits, self.out_so, self.back_so):
+            symm_mem.rendezvous(t, dist.group.WORLD)
+        self.out.zero_()
+        self.y.zero_()
+        torch.cuda.synchronize()
+        dist.barrier()
+
+
+def backend_symm_a2a(c, dev):
+    log(f"symm_a2a: allocating NVSHMEM buffers (T={c['T']}, H={c['H']})", all_ranks=True)
+    bufs = _SymmA2A(c, dev)
+    log("symm_a2a: buffers ready", all_ranks=True)
+    ep, T, H, k, nle, E, I = dist.get_world_size(), c["T"], c["H"], c["k"], c["nle"], c["E"], c["I"]
+    fc1t, fc2t = c["fc1"].transpose(1, 2), c["fc2"].transpose(1, 2)
+    flat = c["top"].reshape(-1)
+    order = torch.argsort(flat, stable=True)  # rank-major, then local expert, then (token, slot)
+    src_tok = order // k
+    splits = torch.bincount(flat, minlength=E)
+
+    def step():
+        torch.index_select(c["x"], 0, src_tok, out=bufs.inp)
+        bufs.in_splits.copy_(splits)
+        torch.ops.symm_mem.all_to_all_vdev_2d(bufs.inp, bufs.out, bufs.in_splits, bufs.out_so, bufs.group_name,
+                                              major_align=_SymmA2A.ALIGN)
+        so = bufs.out_so.view(2, nle, ep)
+        ends = torch.empty(nle, dtype=torch.int64, device=dev)
+        ends[:-1] = so[1, 1:, 0]
+        last = so[0, -1].sum()  # every expert holds at least ALIGN rows (no empty groups)
+        ends[-1] = so[1, -1, 0] + torch.clamp((last + _SymmA2A.ALIGN - 1) // _SymmA2A.ALIGN * _SymmA2A.ALIGN,
+                                              min=_SymmA2A.ALIGN)
+        offs = ends.to(torch.int32)
+        h = torch._grouped_mm(bufs.out, fc1t, offs=offs)
+        a = F.silu(h[:, :I]) * h[:, I:]
+        y = torch._grouped_mm(a, fc2t, offs=offs)
+        bufs.y[: y.shape[0]].copy_(y)
+        torch.ops.symm_mem.all_to_all_vdev_2d_offset(bufs.y, bufs.back, bufs.out_so, bufs.back_so, bufs.group_name)
+        slots = torch.empty(T * k, H, dtype=torch.bfloat16, device=dev)
+        slots[order] = bufs.back  # unique slots: a plain scatter
+        routed = (slots.view(T, k, H).float() * c["probs"].unsqueeze(2)).sum(1)
+        return (routed + shared_expert(c).float()).to(torch.bfloat16)
+
+    return step, None
+
+
+BACKEND_FNS = {"mok": backend_mok, "alltoall": backend_alltoall, "symm_a2a": backend_symm_a2a}
+
+
+# ---- timing -----------------------------------------------------------------------------------------
+
+
+def time_iters(step, iters: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    dist.barrier()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for s, e in ev:
+        s.record()
+        step()
+        e.record()
+    torch.cuda.synchronize()
+    mine = torch.tensor([s.elapsed_time(e) for s, e in ev], dtype=torch.float64, device="cuda")
+    allr = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(allr, mine)
+    return torch.stack(allr).max(dim=0).values.tolist()
+
+
+def matmul_roofline(dev) -> float:
+    n = 8192
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(20):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        a @ b
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    times.sort()
+    return 2 * n**3 / (times[len(times) // 2] * 1e-3) / 1e12
+
+
+def mok_breakdown(c, dev, iters: int) -> dict:
+    """Time each launch of the stage-2 mok forward separately (same ops as kernel_path.forward)."""
+    from megatron_mok import MoKConfig, get_workspace, kernel_path as kp, ops
+
+    cfg = MoKConfig()
+    ws = get_workspace(None, dev, c["T"], c["H"], c["k"], c["E"], cfg)
+    comm = kp._comm(ws)
+    T, H, k, I = c["T"], c["H"], c["k"], c["I"]
+    xs, x_ptrs = comm.buffer("x", (T, H), torch.bfloat16)
+    comb, comb_ptrs = comm.buffer("comb", (T * k, H), torch.bfloat16)
+    names = ["schedule", "copy_x+barrier", "dispatch", "shared_gemm1", "routed_gemm1", "routed_gemm2",
+             "shared_gemm2", "combine", "barrier", "epilogue"]
+    per = {n: [] for n in names}
+    bf = dict(dtype=torch.bfloat16, device=dev)
+    for it in range(iters + 3):
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(names) + 1)]
+        ev[0].record()
+        sched = kp.build_schedule(cfg, ws, c["top"])
+        ev[1].record()
+        xs.copy_(c["x"])
+        ops.barrier(comm.state, ws.errors, comm.flag_ptrs, ws.rank, cfg.peer_timeout_s)
+        ev[2].record()
+        cap = sched.capacity
+        xr = torch.empty((cap, H), **bf)
+        ops.dispatch(sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, xr, x_ptrs, k)
+        ev[3].record()
+        sa = torch.empty((T, I), **bf)
+        ops.grouped_gemm(c["x"], c["sfc1"], None, sa, True)
+        ev[4].record()
+        act = torch.empty((cap, I), **bf)
+        ops.grouped_gemm(xr, c["fc1"], sched.expert_offsets, act, True, 0, sched.expert_counts)
+        ev[5].record()
+        y = torch.empty((cap, H), **bf)
+        ops.grouped_gemm(act, c["fc2"], sched.expert_offsets, y, False, 0, sched.expert_counts)
+        ev[6].record()
+        sy = torch.empty((T, H), **bf)
+        ops.grouped_gemm(sa, c["sfc2"], None, sy, False)
+        ev[7].record()
+        ops.combine(y, sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, comm.state, comb_ptrs)
+        ev[8].record()
+        ops.barrier(comm.state, ws.errors, comm.flag_ptrs, ws.rank, cfg.peer_timeout_s)
+        ev[9].record()
+        out = torch.empty((T, H), **bf)
+        ops.moe_epilogue(comb, c["probs"], sy, out)
+        ev[10].record()
+        torch.cuda.synchronize()
+        if it >= 3:
+            for i, n in enumerate(names):
+                per[n].append(ev[i].elapsed_time(ev[i + 1]))
+    mine = torch.tensor([per[n] for n in names], dtype=torch.float64, device=dev)
+    allr = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(allr, mine)
+    mx = torch.stack(allr).max(dim=0).values.median(dim=1).values.tolist()
+    ws.check_errors(blocking=True)
+    return dict(zip(names, mx))
+
+
+def mok_gate(shape: str, dev, seed: int) -> float:
+    """mok vs the fp32 reference at T=256 with the shape's real H, I, E, k."""
+    from megatron_mok import MoKConfig, create_workspace, functional, reference
+    from megatron_mok.schedule import build_schedule_reference
+
+    c = make_case(shape, 256, "random", seed + 17, dev)
+    cfg = MoKConfig()
+    ws = create_workspace(None, dev, c["T"], c["H"], c["k"], c["E"], cfg)
+    sched = functional.build_schedule(cfg, ws, c["top"])
+    out, _ = functional.forward(cfg, ws, sched, c["x"], c["probs"], c["fc1"], c["fc2"], c["sfc1"], c["sfc2"])
+    ref_sched = build_schedule_reference(ws, c["top"])
+    f = lambda t: t.float()  # noqa: E731
+    ref, _ = reference.forward(ws, ref_sched, f(c["x"]), c["probs"], f(c["fc1"]), f(c["fc2"]), f(c["sfc1"]),
+                               f(c["sfc2"]))
+    ws.check_errors(blocking=True)
+    err = torch.tensor([float((out.float() - ref).norm() / ref.norm())], device=dev)
+    dist.all_reduce(err, op=dist.ReduceOp.MAX)
+    return float(err)
+
+
+# ---- driver -----------------------------------------------------------------------------------------
+
+
+def run_cases(args, backends, dev) -> list[dict]:
+    ep = dist.get_world_size()
+    rows = []
+    shapes = list(SHAPES) if args.shape == "all" else args.shape.split(",")
+    for shape in shapes:
+        gate = None
+        if "mok" in backends and not args.skip_gate:
+            try:
+                gate = mok_gate(shape, dev, args.seed)
+                log(f"[gate] {shape}: mok vs fp32 reference rel err {gate:.3e} ({'ok' if gate <= 1e-2 else 'FAIL'})")
+            except Exception as exc:  # noqa: BLE001
+                gate = float("nan")
+                log(f"[gate] {shape}: ERROR {type(exc).__name__}: {exc}")
+        for T in [int(t) for t in args.tokens.split(",")]:
+            c = make_case(shape, T, args.routing, args.seed, dev)
+            flops = 6 * T * c["k"] * c["H"] * c["I"] + 6 * T * c["H"] * c["Is"]
+            ref_out = None
+            for be in backends:
+                row = dict(shape=shape, tokens=T, backend=be, ep=ep, routing=args.routing, flops_per_rank=flops)
+                step = out = None
+                try:
+                    if be == "mok" and gate is not None:
+                        row["gate_rel_err_vs_fp32_reference"] = gate
+                        if not gate <= 1e-2:
+                            raise RuntimeError(f"correctness gate failed (rel err {gate})")
+                    step, _ = BACKEND_FNS[be](c, dev)
+                    out = step()
+                    torch.cuda.synchronize()
+                    log(f"{shape} T={T} {be}: first step done")
+                    saved = os.path.join(args.tmp_dir, f"mok_out_{shape}_{T}_{args.routing}_rank{dist.get_rank()}.pt")
+                    if be == "mok":
+                        ref_out = out.float().clone()
+                        torch.save(out.cpu(), saved)  # the symm_a2a child compares against it
+                    elif ref_out is None and os.path.exists(saved):
+                        ref_out = torch.load(saved).to(dev).float()
+                    if be != "mok" and ref_out is not None:
+                        e = torch.tensor([float((out.float() - ref_out).norm() / ref_out.norm())], device=dev)
+                        dist.all_reduce(e, op=dist.ReduceOp.MAX)
+                        row["rel_err_vs_mok"] = float(e)
+                    times = time_iters(step, args.iters, args.warmup)
+                    ts = sorted(times)
+                    med = ts[len(ts) // 2]
+                    row.update(ms=med, ms_p10=ts[len(ts) // 10], ms_p90=ts[(9 * len(ts)) // 10], iters=len(ts),
+                               tflops=flops / (med * 1e-3) / 1e12, status="ok")
+                    if be == "mok" and args.breakdown:
+                        row["stages_ms"] = mok_breakdown(c, dev, args.iters)
+                        log("  mok stages (ms, median of max over ranks): "
+                            + ", ".join(f"{k}={v:.3f}" for k, v in row["stages_ms"].items()))
+                except Exception as exc:  # noqa: BLE001
+                    row.update(status="error", error=f"{type(exc).__name__}: {exc}")
+                    if dist.get_rank() == 0:
+                        traceback.print_exc()
+                rows.append(row)
+                if row["status"] == "ok":
+                    log(f"{shape:16s} T={T:5d} {be:9s} {row['ms']:8.3f} ms  {row['tflops']:6.1f} TFLOP/s"
+                        + (f"  err_vs_mok={row['rel_err_vs_mok']:.2e}" if "rel_err_vs_mok" in row else ""))
+                else:
+                    log(f"{shape:16s} T={T:5d} {be:9s} ERROR {row['error']}")
+                step = out = None  # release this backend's buffers before the next one
+                gc.collect()
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                dist.barrier()
+            del c, ref_out
+            torch.cuda.empty_cache()
+        if "mok" in backends:
+            from megatron_mok import clear_workspace_cache
+
+            clear_workspace_cache()
+            torch.cuda.empty_cache()
+    return rows
+
+
+def run_symm_child(args, dev) -> list[dict]:
+    """Re-run this script for symm_a2a in one child process per rank (NVSHMEM backend)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    port = int(os.environ.get("MASTER_PORT", "29500")) + 11
+    out_path = os.path.join(args.tmp_dir, f"symm_a2a_rank{rank}.json")
+    # torchrun's agent store must not be used by the children (they form their own group)
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+    env = dict(base_env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_PORT=str(port),
+               MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), NVSHMEM_REMOTE_TRANSPORT="none",
+               NVSHMEM_SYMMETRIC_SIZE=os.environ.get("NVSHMEM_SYMMETRIC_SIZE", "32G"), **NO_MULTICAST_ENV)
+    cmd = [sys.executable, os.path.abspath(__file__), "--shape", args.shape, "--tokens", args.tokens,
+           "--backends", "symm_a2a", "--iters", str(args.iters), "--warmup", str(args.warmup), "--routing",
+           args.routing, "--seed", str(args.seed), "--_child-out", out_path, "--skip-gate", "--tmp-dir", args.tmp_dir]
+    try:
+        proc = subprocess.run(cmd, env=env, timeout=args.child_timeout)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    rows = []
+    if rank == 0:
+        if rc == 0 and os.path.exists(out_path):
+            with open(out_path) as f:
+                rows = json.load(f)
+        else:
+            rows = [dict(shape=s, tokens=int(t), backend="symm_a2a", ep=world, status="error",
+                         error=f"symm_a2a child process: {rc}")
+                    for s in (list(SHAPES) if args.shape == "all" else args.shape.split(","))
+                    for t in args.tokens.split(",")]
+    return rows
+
+
+def result_path(gpu: str, ep: int, pas: str) -> str:
+    slug = gpu.lower().replace("nvidia", "").strip().replace(" ", "-") or "gpu"
+    day = datetime.date.today().isoformat()
+    return os.path.join(ROOT, "bench", "results", f"{day}_{slug}_ep{ep}_{pas}.json")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="deepseek-v3", help=f"one of {list(SHAPES)}, a comma list, or 'all'")
+    p.add_argument("--tokens", default="2048,4096", help="tokens per GPU, comma list")
+    p.add_argument("--backends", default="mok,alltoall,symm_a2a")
+    p.add_argument("--pass", dest="pass_", default="fwd", choices=["fwd"])
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--routing", default="random", choices=["random", "skewed"])
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--skip-gate", action="store_true")
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/<date>_<gpu>_ep<N>_<pass>.json)")
+    p.add_argument("--tmp-dir", default="/tmp")
+    p.add_argument("--child-timeout", type=float, default=600, help="seconds for the symm_a2a child processes")
+    p.add_argument("--breakdown", action="store_true", help="also time each mok stage separately")
+    p.add_argument("--_child-out", dest="child_out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    backends = [b for b in args.backends.split(",") if b]
+    for b in backends:
+        if b not in BACKENDS:
+            p.error(f"unknown backend {b!r}; choose from {BACKENDS}")
+
+    if args.child_out is not None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        symm_mem.set_backend("NVSHMEM")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dev = torch.device("cuda", local)
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl", device_id=dev)
+    ep = dist.get_world_size()
+
+    if args.child_out is not None:  # symm_a2a child
+        rows = run_cases(args, ["symm_a2a"], dev)
+        if dist.get_rank() == 0:
+            with open(args.child_out, "w") as f:
+                json.dump(rows, f)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
+
+    t0 = time.time()
+    roof = matmul_roofline(dev)
+    log(f"bf16 matmul 8192^3: {roof:.1f} TFLOP/s (roofline of this run)")
+    in_proc = [b for b in backends if b != "symm_a2a"]
+    rows = run_cases(args, in_proc, dev) if in_proc else []
+    if "symm_a2a" in backends:
+        from megatron_mok import clear_workspace_cache
+
+        clear_workspace_cache()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        dist.barrier()
+        rows += run_symm_child(args, dev)
+    for r in rows:
+        if r.get("status") == "ok":
+            r["roofline_frac"] = r["tflops"] / roof
+    if dist.get_rank() == 0:
+        gpu = torch.cuda.get_device_name(dev)
+        path = args.out or result_path(gpu, ep, args.pass_)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        doc = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                doc = json.load(f)
+        old = {(r["shape"], r["tokens"], r["backend"], r.get("routing", "random")): r for r in doc.get("results", [])}
+        for r in rows:
+            old[(r["shape"], r["tokens"], r["backend"], r.get("routing", "random"))] = r
+        doc.update(
+            command=os.environ.get("MOK_BENCH_CMD", " ".join([sys.executable] + sys.argv)),
+            argv=sys.argv, torch=torch.__version__, cuda=torch.version.cuda, gpu=gpu, ep=ep, pass_=args.pass_,
+            date=datetime.date.today().isoformat(), matmul_8192_tflops=roof, seconds=time.time() - t0,
+            env={k: os.environ.get(k) for k in NO_MULTICAST_ENV},
+            results=sorted(old.values(), key=lambda r: (r["shape"], r["tokens"], r["backend"])))
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"wrote {path}")
+        print(f"\n{'shape':16s} {'T':>5s} {'backend':9s} {'ms':>8s} {'TFLOP/s':>8s} {'roof%':>6s}")
+        for r in doc["results"]:
+            if r.get("status") == "ok":
+                print(f"{r['shape']:16s} {r['tokens']:5d} {r['backend']:9s} {r['ms']:8.3f} {r['tflops']:8.1f} "
+                      f"{100 * r.get('roofline_frac', 0):6.1f}")
+            else:
+                print(f"{r['shape']:16s} {r['tokens']:5d} {r['backend']:9s}    ERROR {r.get('error', '')[:60]}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# CPU compile check of every CUDA kernel file (no GPU, no torch headers needed):
+#   nvcc -gencode=arch=compute_90a,code=sm_90a per csrc/kernels/*.cu, -Xptxas -v;
+#   fails on any compile error, on register spills / stack frames in the GEMM kernels, and if the
+#   SASS of the GEMM objects holds no HGMMA (wgmma) instruction.
+# Usage: scripts/check_kernels.sh [python]   (default: python3). Installs nvidia-cutlass==4.2.0.0
+# (--no-deps) into that python when its headers are missing. nvcc 13.0 must be on PATH.
+set -euo pipefail
+PY="${1:-${PYTHON:-python3}}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="$(mktemp -d)"
+trap 'rm -rf "$OUT"' EXIT
+
+cutlass_dir() {
+  "$PY" - <<'PY'
+import importlib.util, os
+spec = importlib.util.find_spec("cutlass_library")
+print(os.path.join(spec.submodule_search_locations[0], "source", "include") if spec else "")
+PY
+}
+CUT="$(cutlass_dir)"
+if [[ -z "$CUT" || ! -d "$CUT/cute" ]]; then
+  echo "installing nvidia-cutlass==4.2.0.0 (headers only, --no-deps) into $PY"
+  "$PY" -m pip install -q --no-deps nvidia-cutlass==4.2.0.0
+  CUT="$(cutlass_dir)"
+fi
+
+CUOBJDUMP="$(command -v cuobjdump || true)"
+if [[ -z "$CUOBJDUMP" ]]; then
+  CUOBJDUMP="$("$PY" - <<'PY'
+import glob, importlib.util, os
+spec = importlib.util.find_spec("triton")
+hits = glob.glob(os.path.join(spec.submodule_search_locations[0], "backends", "nvidia", "bin", "cuobjdump")) if spec else []
+print(hits[0] if hits else "")
+PY
+)"
+fi
+if [[ -z "$CUOBJDUMP" ]]; then
+  echo "FAIL: no cuobjdump (neither on PATH nor in the triton wheel)"; exit 1
+fi
+
+NVCC_FLAGS=(-gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr
+            -Xptxas -v -I"$ROOT/csrc" -I"$ROOT/csrc/kernels" -I"$CUT")
+GEMM_FILES=(grouped_gemm megakernel)   # kernels that must use wgmma and must not spill
+status=0
+printf '%-16s %8s  %s\n' file seconds result
+for src in "$ROOT"/csrc/kernels/*.cu; do
+  name="$(basename "$src" .cu)"
+  t0=$(date +%s%N)
+  if ! nvcc "${NVCC_FLAGS[@]}" -c "$src" -o "$OUT/$name.o" > "$OUT/$name.log" 2>&1; then
+    printf '%-16s %8s  %s\n' "$name" "-" "COMPILE ERROR"; cat "$OUT/$name.log"; status=1; continue
+  fi
+  secs=$(( ($(date +%s%N) - t0) / 1000000 ))ms
+  result="ok"
+  if grep -q -E "warning" "$OUT/$name.log"; then grep -E "warning" "$OUT/$name.log"; fi
+  if [[ " ${GEMM_FILES[*]} " == *" $name "* ]]; then
+    if grep -E "bytes spill (stores|loads)" "$OUT/$name.log" | grep -v -q -E "^ *0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"; then
+      result="SPILLS"; grep -E "stack frame|spill" "$OUT/$name.log"; status=1
+    elif ! "$CUOBJDUMP" --dump-sass "$OUT/$name.o" | grep -q HGMMA; then
+      result="NO HGMMA in SASS"; status=1
+    else
+      result="ok (HGMMA: $("$CUOBJDUMP" --dump-sass "$OUT/$name.o" | grep -c HGMMA), $(grep -o 'Used [0-9]* registers' "$OUT/$name.log" | sort -u | tr '\n' ' '))"
+    fi
+  fi
+  printf '%-16s %8s  %s\n' "$name" "$secs" "$result"
+done
+[[ $status -eq 0 ]] && echo "check_kernels: PASS" || echo "check_kernels: FAIL"
+exit $status

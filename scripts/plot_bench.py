@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Regenerate the benchmark table (markdown) and plot (PNG) from bench/results/*.json.
+
+    python scripts/plot_bench.py                      # all JSON files under bench/results
+    python scripts/plot_bench.py FILE.json ... --md bench/README_table.md --png bench/results/layer_fwd.png
+    python scripts/plot_bench.py --no-plot FILE.json   # markdown table to stdout only (no matplotlib)
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BACKEND_ORDER = ["mok", "alltoall", "symm_a2a"]
+
+
+def load(paths):
+    docs = []
+    for p in paths:
+        with open(p) as f:
+            d = json.load(f)
+        d["_file"] = os.path.relpath(p, ROOT)
+        docs.append(d)
+    return docs
+
+
+def table(docs) -> str:
+    lines = []
+    for d in docs:
+        lines.append(f"### {d['_file']}: {d['gpu']}, EP={d['ep']}, pass={d.get('pass_', 'fwd')}, torch {d['torch']}, "
+                     f"CUDA {d['cuda']}, bf16 matmul 8192^3 = {d['matmul_8192_tflops']:.0f} TFLOP/s")
+        lines.append("")
+        lines.append(f"`{d['command']}`")
+        lines.append("")
+        if d.get("note"):
+            lines.append(f"Note: {d['note']}")
+            lines.append("")
+        lines.append("| shape | T/GPU | routing | backend | ms (median of max over ranks) | TFLOP/s | % of matmul | vs mok | rel. err |")
+        lines.append("|---|---:|---|---|---:|---:|---:|---:|---|")
+        by_key = {}
+        for r in d["results"]:
+            by_key.setdefault((r["shape"], r["tokens"], r.get("routing", "random")), {})[r["backend"]] = r
+        for (shape, T, routing), group in sorted(by_key.items()):
+            mok = group.get("mok")
+            for be in sorted(group, key=lambda b: BACKEND_ORDER.index(b) if b in BACKEND_ORDER else 99):
+                r = group[be]
+                if r.get("status") != "ok":
+                    lines.append(f"| {shape} | {T} | {routing} | {be} | error: {r.get('error', '?')[:80]} | | | | |")
+                    continue
+                speed = f"{r['ms'] / mok['ms']:.2f}x" if mok and mok.get("status") == "ok" and be != "mok" else ""
+                err = ""
+                if "gate_rel_err_vs_fp32_reference" in r:
+                    err = f"{r['gate_rel_err_vs_fp32_reference']:.1e} vs fp32 ref"
+                elif "rel_err_vs_mok" in r:
+                    err = f"{r['rel_err_vs_mok']:.1e} vs mok"
+                lines.append(f"| {shape} | {T} | {routing} | {be} | {r['ms']:.3f} | {r['tflops']:.0f} | "
+                             f"{100 * r.get('roofline_frac', 0):.0f}% | {speed} | {err} |")
+        lines.append("")
+    lines.append("`vs mok`: that backend's time over mok's (above 1: mok is faster).")
+    return "\n".join(lines)
+
+
+def plot(docs, png: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(docs), 1, figsize=(12, 4 * len(docs)), squeeze=False)
+    for ax, d in zip(axes[:, 0], docs):
+        keys = sorted({(r["shape"], r["tokens"]) for r in d["results"]})
+        backends = [b for b in BACKEND_ORDER if any(r["backend"] == b for r in d["results"])]
+        width = 0.8 / max(1, len(backends))
+        for i, be in enumerate(backends):
+            vals = []
+            for key in keys:
+                r = next((r for r in d["results"] if (r["shape"], r["tokens"]) == key and r["backend"] == be), None)
+                vals.append(r["tflops"] if r and r.get("status") == "ok" else 0.0)
+            ax.bar([j + i * width for j in range(len(keys))], vals, width, label=be)
+        ax.axhline(d["matmul_8192_tflops"], color="k", ls="--", lw=1, label="bf16 matmul 8192^3")
+        ax.set_xticks([j + width * (len(backends) - 1) / 2 for j in range(len(keys))])
+        ax.set_xticklabels([f"{s}\nT={t}" for s, t in keys], fontsize=8)
+        ax.set_ylabel("TFLOP/s per GPU (forward)")
+        ax.set_title(f"{d['_file']}: {d['gpu']} EP={d['ep']} ({d['date']})", fontsize=9)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
+    fig.savefig(png, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("files", nargs="*")
+    p.add_argument("--md", default=os.path.join(ROOT, "bench", "README_table.md"))
+    p.add_argument("--png", default=os.path.join(ROOT, "bench", "results", "layer_fwd.png"))
+    p.add_argument("--no-plot", action="store_true", help="print the markdown table only")
+    args = p.parse_args()
+    files = args.files or sorted(glob.glob(os.path.join(ROOT, "bench", "results", "*.json")))
+    if not files:
+        raise SystemExit("no result files")
+    docs = load(files)
+    md = table(docs)
+    if args.no_plot:
+        print(md)
+        return
+    with open(args.md, "w") as f:
+        f.write("# Layer benchmark (generated by scripts/plot_bench.py from bench/results/*.json)\n\n" + md + "\n")
+    plot(docs, args.png)
+    print(f"wrote {args.md} and {args.png}")
+
+
+if __name__ == "__main__":
+    main()

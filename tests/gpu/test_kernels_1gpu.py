@@ -1,0 +1,220 @@
+"""Single-GPU (EP=1) tests of the CUDA path against the pure-PyTorch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_mok import MoKCapacityError, MoKConfig, MoKInputError, create_workspace
+from megatron_mok.schedule import build_schedule_reference
+
+from ._util import (extension_ready, make_inputs, make_routing, poison_internal, reference_out, rel_err,
+                    schedules_equal)
+
+_ok, _why = extension_ready()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _ok, reason=_why)]
+
+DEV = "cuda:0"  # the workspace compares devices exactly
+
+
+def _kp():
+    from megatron_mok import kernel_path
+
+    return kernel_path
+
+
+# ---- grouped GEMM alone ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("K,N", [(256, 256), (384, 192), (136, 40), (1024, 520)])
+def test_grouped_gemm_matches_matmul(swiglu, K, N):
+    from megatron_mok import ops
+
+    gen = torch.Generator().manual_seed(K * 7 + N)
+    counts = [130, 0, 1, 255, 128, 0, 17]
+    nseg = len(counts)
+    padded = [(c + 127) // 128 * 128 for c in counts]
+    offs = [0]
+    for p in padded:
+        offs.append(offs[-1] + p)
+    cap = offs[-1] + 256  # unused tail rows must stay untouched
+    a = torch.randn(cap, K, generator=gen).bfloat16().to(DEV)
+    for e in range(nseg):  # padding rows are zero rows, as the dispatch writes them
+        a[offs[e] + counts[e]: offs[e + 1]] = 0
+    cnt = torch.tensor(counts, dtype=torch.int32, device=DEV)
+    b_rows = 2 * N if swiglu else N
+    b = (torch.randn(nseg, b_rows, K, generator=gen) / K**0.5).bfloat16().to(DEV)
+    out = torch.full((cap, N), float("nan"), dtype=torch.bfloat16, device=DEV)
+    seg = torch.tensor(offs, dtype=torch.int32, device=DEV)
+    for ctas, seg_counts in ((0, cnt), (3, cnt), (0, None), (5, None)):
+        out2 = torch.full_like(out, float("nan"))
+        ops.grouped_gemm(a, b, seg, out2, swiglu, ctas, seg_counts)
+        if ctas == 0 and seg_counts is not None:
+            out.copy_(out2)
+        else:
+            # bit patterns (the untouched tail rows hold NaN, which torch.equal never matches)
+            assert torch.equal(out.view(torch.int16), out2.view(torch.int16)), "bits depend on the CTA count / padding skip"
+    torch.cuda.synchronize()
+    for e in range(nseg):
+        rows = slice(offs[e], offs[e + 1])
+        h = a[rows].float() @ b[e].float().t()
+        if swiglu:
+            g, u = h[:, :N], h[:, N:]
+            ref = torch.nn.functional.silu(g) * u
+        else:
+            ref = h
+        if offs[e + 1] > offs[e]:
+            assert rel_err(out[rows], ref) < 1e-2, (e, rel_err(out[rows], ref))
+    assert torch.isnan(out[offs[-1]:].float()).all(), "rows past the last segment were written"
+
+
+def test_grouped_gemm_single_segment_tail_rows():
+    from megatron_mok import ops
+
+    gen = torch.Generator().manual_seed(3)
+    T, K, N = 300, 512, 384
+    a = torch.randn(T, K, generator=gen).bfloat16().to(DEV)
+    b = (torch.randn(2 * N, K, generator=gen) / K**0.5).bfloat16().to(DEV)
+    out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=DEV)
+    ops.grouped_gemm(a, b, None, out, True)
+    h = a.float() @ b.float().t()
+    ref = torch.nn.functional.silu(h[:, :N]) * h[:, N:]
+    assert not torch.isnan(out.float()).any()
+    assert rel_err(out, ref) < 1e-2
+
+
+# ---- schedule ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["random", "skewed", "one_expert", "half_empty"])
+@pytest.mark.parametrize("T,k,E", [(300, 4, 16), (1024, 8, 64), (77, 1, 4)])
+def test_schedule_bit_exact(kind, T, k, E):
+    gen = torch.Generator().manual_seed(T + k + E)
+    cfg = MoKConfig()
+    ws = create_workspace(None, DEV, T, 128, k, E, cfg)
+    top = make_routing(kind, T, k, E, gen).to(DEV)
+    ref = build_schedule_reference(ws, top)
+    for dtype in (torch.int64, torch.int32):
+        got = _kp().build_schedule(cfg, ws, top.to(dtype))
+        assert schedules_equal(got, ref) == []
+    ws.check_errors(blocking=True)
+
+
+# ---- forward -------------------------------------------------------------------------------------
+
+SHAPES = [  # T, H, I, Is, E, k
+    (256, 256, 128, 128, 8, 2),
+    (300, 384, 192, 0, 16, 4),
+    (517, 512, 320, 256, 32, 8),
+    (128, 1024, 512, 512, 4, 1),
+]
+
+
+@pytest.mark.parametrize("kind", ["random", "skewed", "one_expert", "half_empty"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_forward_matches_reference(kind, shape):
+    T, H, I, Is, E, k = shape
+    gen = torch.Generator().manual_seed(sum(shape) + len(kind))
+    cfg = MoKConfig()
+    ws = create_workspace(None, DEV, T, H, k, E, cfg)
+    x, probs, fc1, fc2, sfc1, sfc2 = make_inputs(T, H, I, Is, E, k, gen, DEV)
+    top = make_routing(kind, T, k, E, gen).to(DEV)
+    sched = _kp().build_schedule(cfg, ws, top)
+    ref_sched = build_schedule_reference(ws, top)
+    assert schedules_equal(sched, ref_sched) == []
+    ref = reference_out(ws, ref_sched, x, probs, fc1, fc2, sfc1, sfc2)
+    for _ in range(2):  # the second run also sees NaN-poisoned internal buffers
+        out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=DEV)
+        out, ctx = _kp().forward(cfg, ws, sched, x, probs, fc1, fc2, sfc1, sfc2, out=out)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out.float()).all(), "output elements not written (or NaN)"
+        err = rel_err(out, ref)
+        assert err <= 1e-2, err
+        poison_internal(ws)
+    ws.check_errors(blocking=True)
+
+
+def test_forward_bitwise_repeat_and_knobs():
+    T, H, I, Is, E, k = 512, 512, 256, 256, 16, 4
+    gen = torch.Generator().manual_seed(11)
+    x, probs, fc1, fc2, sfc1, sfc2 = make_inputs(T, H, I, Is, E, k, gen, DEV)
+    top = make_routing("skewed", T, k, E, gen).to(DEV)
+    base = None
+    for cfg in (MoKConfig(), MoKConfig(fwd_comm_sms=2, minibatch_rows=128, macrobatch_rows=1024),
+                MoKConfig(fwd_comm_sms=64, minibatch_rows=1024, macrobatch_rows=4096)):
+        ws = create_workspace(None, DEV, T, H, k, E, cfg)
+        sched = _kp().build_schedule(cfg, ws, top)
+        for rep in range(20):
+            knobs = dict(gemm_ctas=[0, 1, 7, 100][rep % 4], comm_ctas=[0, 1, 13][rep % 3])
+            out, _ = _kp().forward(cfg, ws, sched, x, probs, fc1, fc2, sfc1, sfc2, **knobs)
+            if base is None:
+                base = out.clone()
+            assert torch.equal(out, base), (cfg, rep, knobs)
+        ws.check_errors(blocking=True)
+
+
+def test_cuda_graph_matches_eager():
+    T, H, I, Is, E, k = 384, 256, 128, 128, 8, 2
+    gen = torch.Generator().manual_seed(5)
+    cfg = MoKConfig()
+    ws = create_workspace(None, DEV, T, H, k, E, cfg)
+    x, probs, fc1, fc2, sfc1, sfc2 = make_inputs(T, H, I, Is, E, k, gen, DEV)
+    top = make_routing("random", T, k, E, gen).to(DEV)
+    kp = _kp()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up: creates the symmetric buffers
+        eager_out, _ = kp.forward(cfg, ws, kp.build_schedule(cfg, ws, top), x, probs, fc1, fc2, sfc1, sfc2)
+        eager_out = eager_out.clone()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        sched_g = kp.build_schedule(cfg, ws, top)
+        out_g, _ = kp.forward(cfg, ws, sched_g, x, probs, fc1, fc2, sfc1, sfc2)
+    for _ in range(3):
+        out_g.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out_g, eager_out)
+    # New inputs in the captured buffers: replay equals eager on them (nothing was baked in).
+    x.copy_(torch.randn(T, H, generator=gen).bfloat16())
+    top.copy_(make_routing("skewed", T, k, E, gen))
+    g.replay()
+    eager2, _ = kp.forward(cfg, ws, kp.build_schedule(cfg, ws, top), x, probs, fc1, fc2, sfc1, sfc2)
+    torch.cuda.synchronize()
+    assert torch.equal(out_g, eager2)
+    ws.check_errors(blocking=True)
+
+
+# ---- errors --------------------------------------------------------------------------------------
+
+
+def test_capacity_overflow_raises():
+    T, H, I, E, k = 4096, 256, 128, 16, 2  # experts 0, 1 need 8192 rows; capacity 2560
+    gen = torch.Generator().manual_seed(2)
+    cfg = MoKConfig(capacity_factor=0.05)
+    ws = create_workspace(None, DEV, T, H, k, E, cfg)
+    x, probs, fc1, fc2, _, _ = make_inputs(T, H, I, 0, E, k, gen, DEV)
+    top = make_routing("one_expert", T, k, E, gen).to(DEV)
+    sched = _kp().build_schedule(cfg, ws, top)
+    _kp().forward(cfg, ws, sched, x, probs, fc1, fc2)  # must not fault or write out of bounds
+    torch.cuda.synchronize()
+    with pytest.raises(MoKCapacityError):
+        ws.check_errors(blocking=True)
+
+
+@pytest.mark.parametrize("bad", ["out_of_range", "negative", "duplicate", "int32_wrap"])
+def test_bad_expert_ids_raise(bad):
+    T, E, k = 256, 8, 2
+    cfg = MoKConfig()
+    ws = create_workspace(None, DEV, T, 128, k, E, cfg)
+    top = make_routing("random", T, k, E, torch.Generator().manual_seed(1))
+    top[17, 1] = {"out_of_range": E, "negative": -3, "duplicate": int(top[17, 0]), "int32_wrap": 2**32}[bad]
+    sched = _kp().build_schedule(cfg, ws, top.to(DEV))
+    torch.cuda.synchronize()
+    with pytest.raises(MoKInputError, match="token 17"):
+        ws.check_errors(blocking=True)
+    # the gathered routing holds the reference's (saturated) ids
+    assert torch.equal(sched.top_experts_all[0].long(), top.clamp(-1, E).to(DEV))

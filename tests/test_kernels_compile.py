@@ -1,0 +1,24 @@
+"""CI compile check of the CUDA kernels: every csrc/kernels/*.cu builds for sm_90a with nvcc on this
+CPU machine, the GEMM kernels do not spill, and their SASS holds HGMMA (wgmma) instructions."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(900)
+def test_kernels_compile_for_sm90a_with_hgmma():
+    assert shutil.which("nvcc"), "nvcc (CUDA 13) must be on PATH for the sm_90a compile check"
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "check_kernels.sh"), sys.executable],
+                          capture_output=True, text=True, timeout=900)
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "check_kernels: PASS" in proc.stdout
+    assert "HGMMA:" in proc.stdout
