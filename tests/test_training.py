@@ -51,6 +51,9 @@ def test_tiny_training_with_mok_loss_falls(tmp_path):
     assert all(math.isfinite(x) for x in losses)
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 1.0, losses  # 5.5 -> ~3.5 on this config
+    # Both decoder MoE layers and the MTP layer's MoE run mok.
+    built = re.findall(r"\[megatron_mok\] MoE (decoder layer|MTP layer): --moe-backend mok, 4 local experts x EP 2", log)
+    assert sorted(built) == ["MTP layer", "decoder layer", "decoder layer"], built
 
 
 def _params_from_checkpoint(ckpt_dir: Path, iteration: int, out: Path) -> dict:

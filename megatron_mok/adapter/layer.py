@@ -52,6 +52,10 @@ class MoKMoELayer(MoELayer):
         if not isinstance(self.experts, GroupedMLP):
             raise TypeError(f"--moe-backend mok needs megatron_mok GroupedMLP experts, got {type(self.experts).__name__}")
         self.ep_group = pg_collection.ep if pg_collection is not None else self.ep_group
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            where = "MTP layer" if is_mtp_layer else "decoder layer"
+            print(f"[megatron_mok] MoE {where}: --moe-backend mok, {self.num_local_experts} local experts "
+                  f"x EP {get_pg_size(self.ep_group)}", flush=True)
 
     def _fusable_shared_weights(self):
         """The shared expert's (fc1, fc2) weights when the kernel can run it, else None."""
