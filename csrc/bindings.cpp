@@ -37,30 +37,57 @@ mok::PeerPtrs peers(const std::vector<int64_t>& ptrs, const char* name) {
   return p;
 }
 
-void gather_routing(const Tensor& top_experts, Tensor& state, std::vector<int64_t> peer_bufs, int64_t rank,
-                    int64_t num_experts) {
+uint64_t timeout_ns_of(double timeout_s) {
+  TORCH_CHECK(timeout_s > 0, "megatron_mok: timeouts must be positive");
+  const double ns = timeout_s * 1e9;
+  return ns > 1.8e19 ? UINT64_MAX : static_cast<uint64_t>(ns);
+}
+
+// The all-gather and the barrier that completes it (one launch); zero_buf is zeroed on the way.
+void gather_routing(const Tensor& top_experts, Tensor& state, Tensor& errors, Tensor& zero_buf,
+                    std::vector<int64_t> peer_bufs, std::vector<int64_t> peer_flags, int64_t rank,
+                    int64_t num_experts, double timeout_s) {
   TORCH_CHECK(top_experts.is_cuda() && top_experts.is_contiguous(), "megatron_mok: top_experts must be contiguous CUDA");
   TORCH_CHECK(top_experts.scalar_type() == at::kInt || top_experts.scalar_type() == at::kLong,
               "megatron_mok: top_experts must be int32 or int64");
   check_cuda(state, "state", at::kInt);
+  check_cuda(errors, "errors", at::kInt);
+  check_cuda(zero_buf, "zero_buf", at::kInt);
+  TORCH_CHECK(peer_flags.size() == peer_bufs.size(), "megatron_mok: peer_flags and peer_bufs differ in length");
   c10::cuda::CUDAGuard guard(top_experts.device());
   check(mok::launch_gather_routing(top_experts.data_ptr(), top_experts.scalar_type() == at::kLong,
                                    static_cast<int>(top_experts.numel()), peers(peer_bufs, "peer_bufs"),
-                                   state.data_ptr<int>(), static_cast<int>(rank), static_cast<int>(peer_bufs.size()),
-                                   static_cast<int>(num_experts), current_stream()));
+                                   state.data_ptr<int>(), errors.data_ptr<int>(), peers(peer_flags, "peer_flags"),
+                                   timeout_ns_of(timeout_s), zero_buf.data_ptr<int>(),
+                                   static_cast<int>(zero_buf.numel()), static_cast<int>(rank),
+                                   static_cast<int>(peer_bufs.size()), static_cast<int>(num_experts),
+                                   current_stream()));
 }
 
 void barrier(Tensor& state, Tensor& errors, std::vector<int64_t> peer_flags, int64_t rank, double timeout_s,
              int64_t bump_gather) {
   check_cuda(state, "state", at::kInt);
   check_cuda(errors, "errors", at::kInt);
-  TORCH_CHECK(timeout_s > 0, "megatron_mok: barrier timeout must be positive");
   c10::cuda::CUDAGuard guard(state.device());
-  const double ns = timeout_s * 1e9;
-  const uint64_t timeout_ns = ns > 1.8e19 ? UINT64_MAX : static_cast<uint64_t>(ns);
   check(mok::launch_barrier(peers(peer_flags, "peer_flags"), state.data_ptr<int>(), errors.data_ptr<int>(),
-                            static_cast<int>(rank), static_cast<int>(peer_flags.size()), timeout_ns,
+                            static_cast<int>(rank), static_cast<int>(peer_flags.size()), timeout_ns_of(timeout_s),
                             static_cast<int>(bump_gather), current_stream()));
+}
+
+// dst (this rank's symmetric buffer) <- src, then a barrier (one launch).
+void publish_barrier(const Tensor& src, Tensor& dst, Tensor& state, Tensor& errors, std::vector<int64_t> peer_flags,
+                     int64_t rank, double timeout_s) {
+  TORCH_CHECK(src.is_cuda() && src.is_contiguous() && dst.is_cuda() && dst.is_contiguous(),
+              "megatron_mok: publish_barrier src/dst must be contiguous CUDA tensors");
+  TORCH_CHECK(src.scalar_type() == dst.scalar_type() && src.numel() == dst.numel(),
+              "megatron_mok: publish_barrier src and dst differ in dtype or size");
+  check_cuda(state, "state", at::kInt);
+  check_cuda(errors, "errors", at::kInt);
+  c10::cuda::CUDAGuard guard(src.device());
+  check(mok::launch_publish_barrier(src.data_ptr(), dst.data_ptr(), static_cast<int64_t>(src.nbytes()),
+                                    peers(peer_flags, "peer_flags"), state.data_ptr<int>(), errors.data_ptr<int>(),
+                                    static_cast<int>(rank), static_cast<int>(peer_flags.size()),
+                                    timeout_ns_of(timeout_s), current_stream()));
 }
 
 void build_schedule(const Tensor& routing_buf, const Tensor& state, Tensor& errors, Tensor& top_all,
@@ -156,13 +183,124 @@ void moe_epilogue(const Tensor& comb, const Tensor& probs, const std::optional<T
   }
   c10::cuda::CUDAGuard guard(out.device());
   check(mok::launch_epilogue(comb.data_ptr(), probs.data_ptr<float>(), sy, out.data_ptr(), static_cast<int>(T),
-                             static_cast<int>(k), static_cast<int>(H), current_stream()));
+                             static_cast<int>(k), static_cast<int>(H), nullptr, nullptr, nullptr, 1, 0,
+                             current_stream()));
+}
+
+// The epilogue behind the closing half of the barrier the megakernel opened (peer_flags[rank] is
+// this rank's barrier buffer).
+void moe_epilogue_wait(const Tensor& comb, const Tensor& probs, const std::optional<Tensor>& shared_y, Tensor& out,
+                       const Tensor& state, Tensor& errors, std::vector<int64_t> peer_flags, int64_t rank,
+                       double timeout_s) {
+  check_cuda(comb, "comb", at::kBFloat16);
+  check_cuda(probs, "probs", at::kFloat);
+  check_cuda(out, "out", at::kBFloat16);
+  check_cuda(state, "state", at::kInt);
+  check_cuda(errors, "errors", at::kInt);
+  TORCH_CHECK(out.dim() == 2 && probs.dim() == 2 && probs.size(0) == out.size(0), "megatron_mok: out [T, H], probs [T, k]");
+  const int64_t T = out.size(0), H = out.size(1), k = probs.size(1);
+  TORCH_CHECK(comb.numel() >= T * k * H, "megatron_mok: combine buffer smaller than [T * k, H]");
+  const void* sy = nullptr;
+  if (shared_y.has_value()) {
+    check_cuda(*shared_y, "shared_y", at::kBFloat16);
+    TORCH_CHECK(shared_y->sizes() == out.sizes(), "megatron_mok: shared_y must be [T, H]");
+    sy = shared_y->data_ptr();
+  }
+  const mok::PeerPtrs flags = peers(peer_flags, "peer_flags");
+  TORCH_CHECK(rank >= 0 && rank < static_cast<int64_t>(peer_flags.size()), "megatron_mok: bad rank");
+  c10::cuda::CUDAGuard guard(out.device());
+  check(mok::launch_epilogue(comb.data_ptr(), probs.data_ptr<float>(), sy, out.data_ptr(), static_cast<int>(T),
+                             static_cast<int>(k), static_cast<int>(H), static_cast<const int*>(flags.p[rank]),
+                             state.data_ptr<int>(), errors.data_ptr<int>(), static_cast<int>(peer_flags.size()),
+                             timeout_ns_of(timeout_s), current_stream()));
+}
+
+void megakernel(const Tensor& x, const Tensor& fc1, const Tensor& fc2, const std::optional<Tensor>& shared_fc1,
+                const std::optional<Tensor>& shared_fc2, const Tensor& row_src_rank, const Tensor& row_src_slot,
+                const Tensor& expert_counts, const Tensor& expert_offsets, Tensor& x_routed, Tensor& act,
+                Tensor& y_routed, Tensor& shared_act, Tensor& shared_y, Tensor& counters, Tensor& state,
+                Tensor& errors, std::vector<int64_t> peer_x, std::vector<int64_t> peer_comb,
+                std::vector<int64_t> peer_flags, int64_t rank, int64_t topk, int64_t num_comm, int64_t num_compute,
+                int64_t minibatch_rows, double timeout_s) {
+  for (auto* t : {&x, &fc1, &fc2}) check_cuda(*t, "megakernel input", at::kBFloat16);
+  for (auto* t : {&x_routed, &act, &y_routed}) check_cuda(*t, "megakernel output", at::kBFloat16);
+  for (auto* t : {&row_src_rank, &row_src_slot, &expert_counts, &expert_offsets}) check_cuda(*t, "schedule tensor", at::kInt);
+  for (auto* t : {&counters, &state, &errors}) check_cuda(*t, "megakernel state", at::kInt);
+  TORCH_CHECK(x.dim() == 2 && fc1.dim() == 3 && fc2.dim() == 3, "megatron_mok: x [T, H], fc1 [nle, 2I, H], fc2 [nle, H, I]");
+  const int64_t T = x.size(0), H = x.size(1), nle = fc1.size(0), I = fc1.size(1) / 2, cap = row_src_rank.numel();
+  TORCH_CHECK(fc1.size(1) == 2 * I && fc1.size(2) == H && fc2.size(0) == nle && fc2.size(1) == H && fc2.size(2) == I,
+              "megatron_mok: megakernel weight shapes");
+  TORCH_CHECK(row_src_slot.numel() == cap && expert_counts.numel() == nle && expert_offsets.numel() == nle + 1,
+              "megatron_mok: megakernel schedule shapes");
+  TORCH_CHECK(x_routed.dim() == 2 && x_routed.size(0) == cap && x_routed.size(1) == H, "megatron_mok: x_routed [cap, H]");
+  TORCH_CHECK(act.dim() == 2 && act.size(0) == cap && act.size(1) == I, "megatron_mok: act [cap, I]");
+  TORCH_CHECK(y_routed.dim() == 2 && y_routed.size(0) == cap && y_routed.size(1) == H, "megatron_mok: y_routed [cap, H]");
+  TORCH_CHECK(counters.numel() >= mok::megakernel_counter_ints(static_cast<int>(cap), static_cast<int>(T)),
+              "megatron_mok: megakernel counters too small");
+  TORCH_CHECK(shared_fc1.has_value() == shared_fc2.has_value(), "megatron_mok: shared_fc1 / shared_fc2 go together");
+  int64_t Is = 0;
+  if (shared_fc1.has_value()) {
+    check_cuda(*shared_fc1, "shared_fc1", at::kBFloat16);
+    check_cuda(*shared_fc2, "shared_fc2", at::kBFloat16);
+    check_cuda(shared_act, "shared_act", at::kBFloat16);
+    check_cuda(shared_y, "shared_y", at::kBFloat16);
+    Is = shared_fc1->size(0) / 2;
+    TORCH_CHECK(shared_fc1->dim() == 2 && shared_fc1->size(0) == 2 * Is && shared_fc1->size(1) == H &&
+                    shared_fc2->dim() == 2 && shared_fc2->size(0) == H && shared_fc2->size(1) == Is,
+                "megatron_mok: shared weights [2Is, H], [H, Is]");
+    TORCH_CHECK(shared_act.dim() == 2 && shared_act.size(0) == T && shared_act.size(1) == Is,
+                "megatron_mok: shared_act [T, Is]");
+    TORCH_CHECK(shared_y.dim() == 2 && shared_y.size(0) == T && shared_y.size(1) == H, "megatron_mok: shared_y [T, H]");
+  }
+  TORCH_CHECK(peer_x.size() == peer_comb.size() && peer_x.size() == peer_flags.size(),
+              "megatron_mok: peer lists differ in length");
+  mok::MegaArgs a{};
+  a.x = x.data_ptr();
+  a.fc1 = fc1.data_ptr();
+  a.fc2 = fc2.data_ptr();
+  a.shared_fc1 = shared_fc1.has_value() ? shared_fc1->data_ptr() : nullptr;
+  a.shared_fc2 = shared_fc2.has_value() ? shared_fc2->data_ptr() : nullptr;
+  a.row_src_rank = row_src_rank.data_ptr<int>();
+  a.row_src_slot = row_src_slot.data_ptr<int>();
+  a.expert_counts = expert_counts.data_ptr<int>();
+  a.expert_offsets = expert_offsets.data_ptr<int>();
+  a.x_routed = x_routed.data_ptr();
+  a.act = act.data_ptr();
+  a.y_routed = y_routed.data_ptr();
+  a.shared_act = shared_fc1.has_value() ? shared_act.data_ptr() : nullptr;
+  a.shared_y = shared_fc1.has_value() ? shared_y.data_ptr() : nullptr;
+  a.counters = counters.data_ptr<int>();
+  a.state = state.data_ptr<int>();
+  a.errors = errors.data_ptr<int>();
+  a.x_bufs = peers(peer_x, "peer_x");
+  a.comb_bufs = peers(peer_comb, "peer_comb");
+  a.flags = peers(peer_flags, "peer_flags");
+  a.T = static_cast<int>(T);
+  a.H = static_cast<int>(H);
+  a.I = static_cast<int>(I);
+  a.Is = static_cast<int>(Is);
+  a.k = static_cast<int>(topk);
+  a.nle = static_cast<int>(nle);
+  a.capacity = static_cast<int>(cap);
+  a.rank = static_cast<int>(rank);
+  a.ep = static_cast<int>(peer_x.size());
+  a.num_comm = static_cast<int>(num_comm);
+  a.num_compute = static_cast<int>(num_compute);
+  a.minibatch_rows = static_cast<int>(minibatch_rows);
+  a.timeout_ns = timeout_ns_of(timeout_s);
+  c10::cuda::CUDAGuard guard(x.device());
+  check(mok::launch_megakernel(a, current_stream()));
 }
 
 }  // namespace
 
 TORCH_LIBRARY(megatron_mok, m) {
-  m.def("gather_routing(Tensor top_experts, Tensor(a!) state, int[] peer_bufs, int rank, int num_experts) -> ()");
+  m.def(
+      "gather_routing(Tensor top_experts, Tensor(a!) state, Tensor(b!) errors, Tensor(c!) zero_buf, int[] peer_bufs, "
+      "int[] peer_flags, int rank, int num_experts, float timeout_s) -> ()");
+  m.def(
+      "publish_barrier(Tensor src, Tensor(a!) dst, Tensor(b!) state, Tensor(c!) errors, int[] peer_flags, int rank, "
+      "float timeout_s) -> ()");
   m.def("barrier(Tensor(a!) state, Tensor(b!) errors, int[] peer_flags, int rank, float timeout_s, int bump_gather) -> ()");
   m.def(
       "build_schedule(Tensor routing_buf, Tensor state, Tensor(a!) errors, Tensor(b!) top_all, Tensor(c!) row_src_rank, "
@@ -178,16 +316,28 @@ TORCH_LIBRARY(megatron_mok, m) {
       "combine(Tensor y, Tensor row_src_rank, Tensor row_src_slot, Tensor expert_offsets, Tensor(a!) state, "
       "int[] peer_comb, int num_ctas) -> ()");
   m.def("moe_epilogue(Tensor comb, Tensor probs, Tensor? shared_y, Tensor(a!) out) -> ()");
+  m.def(
+      "moe_epilogue_wait(Tensor comb, Tensor probs, Tensor? shared_y, Tensor(a!) out, Tensor state, Tensor(b!) errors, "
+      "int[] peer_flags, int rank, float timeout_s) -> ()");
+  m.def(
+      "megakernel(Tensor x, Tensor fc1, Tensor fc2, Tensor? shared_fc1, Tensor? shared_fc2, Tensor row_src_rank, "
+      "Tensor row_src_slot, Tensor expert_counts, Tensor expert_offsets, Tensor(a!) x_routed, Tensor(b!) act, "
+      "Tensor(c!) y_routed, Tensor(d!) shared_act, Tensor(e!) shared_y, Tensor(f!) counters, Tensor(g!) state, "
+      "Tensor(h!) errors, int[] peer_x, int[] peer_comb, int[] peer_flags, int rank, int topk, int num_comm, "
+      "int num_compute, int minibatch_rows, float timeout_s) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("gather_routing", &gather_routing);
+  m.impl("publish_barrier", &publish_barrier);
   m.impl("barrier", &barrier);
   m.impl("build_schedule", &build_schedule);
   m.impl("dispatch", &dispatch);
   m.impl("grouped_gemm", &grouped_gemm);
   m.impl("combine", &combine);
   m.impl("moe_epilogue", &moe_epilogue);
+  m.impl("moe_epilogue_wait", &moe_epilogue_wait);
+  m.impl("megakernel", &megakernel);
 }
 
 // `import megatron_mok._C` loads this library (and with it the registrations above); the module

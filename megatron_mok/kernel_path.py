@@ -7,16 +7,22 @@ follow docs/ARCHITECTURE.md. They never synchronise with the host (no ``.item()`
 once the workspace's symmetric buffers exist (the first call on a workspace creates them; that
 first call is collective and host-blocking, like ``symm_mem.rendezvous``).
 
-Forward, per rank (stage 2: one launch per step):
+Schedule (3 launches): routing all-gather fused with its barrier; count (+ the scan in its last
+block); fill.
 
-1. copy ``x`` into this rank's symmetric ``x`` buffer; device barrier;
-2. pull-dispatch the scheduled rows from the peers' ``x`` buffers into ``x_routed``;
-3. shared expert: gate/up GEMM with SwiGLU fused in the epilogue, down GEMM;
-4. routed experts: the same two grouped GEMMs over the 128-row expert segments;
-5. push-combine each routed output row into its slot of the source rank's symmetric
-   ``[T * k, H]`` buffer; device barrier;
-6. epilogue: ``out[t] = sum_s probs[t, s] * slot[t, s]`` in fp32 in slot order, plus the shared
-   expert output, cast once.
+Forward, per rank, two implementations with the same bits (``path=`` or ``MOK_FORWARD``):
+
+* ``"mega"`` (default, stage 4), 3 launches:
+  1. ``publish_barrier``: copy ``x`` into this rank's symmetric ``x`` buffer, device barrier;
+  2. ``megakernel``: the first ``fwd_comm_sms`` CTAs pull-dispatch the scheduled rows from the
+     peers' ``x`` buffers (then compute); all CTAs run one fixed task list (shared gate/up, shared
+     down, then per minibatch routed gate/up and down tiles) behind local ready counters; the
+     down-GEMM epilogue pushes each routed output row into its slot of the source rank's
+     symmetric ``[T * k, H]`` buffer; the last CTA opens the closing barrier;
+  3. ``moe_epilogue_wait``: closes the barrier, then ``out[t] = sum_s probs[t, s] * slot[t, s]``
+     in fp32 in slot order, plus the shared expert output, cast once.
+* ``"staged"`` (stage 2), one launch per step: copy x, barrier, dispatch, 4 grouped GEMMs,
+  combine, barrier, epilogue.
 
 Device barriers are epoch counters in a symmetric int32 buffer of this module (not torch's
 signal pad); a peer that does not arrive within ``MoKConfig.peer_timeout_s`` sets
@@ -31,6 +37,7 @@ multiples of 8, ``T <= 65535``, EP size <= 72. Other inputs run the reference pa
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 import weakref
 
@@ -43,6 +50,12 @@ from .schedule import MoKSchedule, validate_top_experts
 from .workspace import MoKWorkspace
 
 STATE_INTS = 8  # csrc/kernels/launch.h: StateSlot
+FORWARD_PATHS = ("mega", "staged")
+# Default forward implementation; MOK_FORWARD=staged selects the stage-2 launches (same bits).
+FORWARD_PATH = os.environ.get("MOK_FORWARD", "mega")
+# Waits inside the megakernel depend on no peer: they give up after at most this long (a bug, not
+# a slow peer), so a stall ends the kernel with an error instead of hanging the GPU.
+MEGA_WATCHDOG_S = 10.0
 
 
 @dataclasses.dataclass
@@ -71,6 +84,14 @@ class _Comm:
         flags, self.flag_ptrs = self.buffer("barrier_flags", (ws.ep_size,), torch.int32, init_zero=True)
         self.route_buf, self.route_ptrs = self.buffer(
             "routing", (2, ws.ep_size, ws.num_tokens, ws.topk), torch.int32)
+        self._counters: dict = {}
+
+    def counters(self, n: int) -> torch.Tensor:
+        """Local int32 ready counters of the megakernel: zero at creation, zeroed again by the last
+        CTA of every launch (so graph replays start from zero)."""
+        if n not in self._counters:
+            self._counters[n] = torch.zeros((n,), dtype=torch.int32, device=self.ws.device)
+        return self._counters[n]
 
     def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, init_zero: bool = False):
         key = (name, tuple(shape), dtype)
@@ -137,8 +158,6 @@ def build_schedule(cfg: MoKConfig, ws: MoKWorkspace, top_experts: torch.Tensor) 
     validate_top_experts(ws, top_experts)
     c = _comm(ws)
     dev, ep, T, k, nle, cap = ws.device, ws.ep_size, ws.num_tokens, ws.topk, ws.num_local_experts, ws.capacity
-    ops.gather_routing(top_experts.contiguous(), c.state, c.route_ptrs, ws.rank, ws.num_experts)
-    ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s, bump_gather=True)
     i32 = dict(dtype=torch.int32, device=dev)
     top_all = torch.empty((ep, T, k), **i32)
     row_src_rank = torch.empty((cap,), **i32)
@@ -146,6 +165,9 @@ def build_schedule(cfg: MoKConfig, ws: MoKWorkspace, top_experts: torch.Tensor) 
     counts = torch.empty((nle,), **i32)
     offsets = torch.empty((nle + 1,), **i32)
     scratch = torch.empty((ops.schedule_scratch_ints(ep, T, nle, ws.num_experts),), **i32)
+    hist = scratch[ops.schedule_histogram_offset(ep, T, nle):]  # zeroed by the gather launch
+    ops.gather_routing(top_experts.contiguous(), c.state, ws.errors, hist, c.route_ptrs, c.flag_ptrs, ws.rank,
+                       ws.num_experts, cfg.peer_timeout_s)
     ops.build_schedule(c.route_buf, c.state, ws.errors, top_all, row_src_rank, row_src_slot, counts, offsets,
                        scratch, ws.rank, ws.num_experts)
     return MoKSchedule(top_all, row_src_rank, row_src_slot, counts, offsets)
@@ -177,18 +199,59 @@ def _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1, *, gemm_ctas=
     return KernelContext(x_routed, act, y_routed, shared_act)
 
 
+def _forward_mega(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, out, gemm_ctas, comm_ctas):
+    c = _comm(ws)
+    T, H, k, cap = ws.num_tokens, ws.hidden, ws.topk, sched.capacity
+    I = fc1.shape[1] // 2
+    bf16 = dict(dtype=torch.bfloat16, device=ws.device)
+    xs, x_ptrs = c.buffer("x", (T, H), torch.bfloat16)
+    comb, comb_ptrs = c.buffer("comb", (T * k, H), torch.bfloat16)
+    x = x.contiguous()
+    if x.data_ptr() % 16:
+        x = x.clone()
+    ops.publish_barrier(x, xs, c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
+    x_routed = torch.empty((cap, H), **bf16)
+    act = torch.empty((cap, I), **bf16)
+    y_routed = torch.empty((cap, H), **bf16)
+    if shared_fc1 is not None:
+        shared_fc1, shared_fc2 = shared_fc1.contiguous(), shared_fc2.contiguous()
+        shared_act = torch.empty((T, shared_fc1.shape[0] // 2), **bf16)
+        shared_y = torch.empty((T, H), **bf16)
+    else:
+        shared_act = shared_y = torch.empty((0,), **bf16)
+    counters = c.counters(ops.megakernel_counter_ints(cap, T))
+    ops.megakernel(x, fc1.contiguous(), fc2.contiguous(), shared_fc1, shared_fc2, sched.row_src_rank,
+                   sched.row_src_slot, sched.expert_counts, sched.expert_offsets, x_routed, act, y_routed, shared_act,
+                   shared_y, counters, c.state, ws.errors, x_ptrs, comb_ptrs, c.flag_ptrs, ws.rank, k,
+                   comm_ctas if comm_ctas > 0 else cfg.fwd_comm_sms, gemm_ctas, cfg.minibatch_rows,
+                   min(cfg.peer_timeout_s, MEGA_WATCHDOG_S))
+    if out is None:
+        out = torch.empty((T, H), **bf16)
+    ops.moe_epilogue_wait(comb, probs.contiguous(), shared_y if shared_fc1 is not None else None, out, c.state,
+                          ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
+    return out, KernelContext(x_routed, act, y_routed, shared_act if shared_fc1 is not None else None)
+
+
 def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1, fc2, shared_fc1=None,
-            shared_fc2=None, *, out: torch.Tensor | None = None, gemm_ctas: int = 0, comm_ctas: int = 0):
+            shared_fc2=None, *, out: torch.Tensor | None = None, gemm_ctas: int = 0, comm_ctas: int = 0,
+            path: str | None = None):
     """One layer forward on the device. Returns ``(out [T, H] bf16, KernelContext)``.
 
-    ``out``: optional preallocated output (tests poison it); ``gemm_ctas`` / ``comm_ctas``: CTA
-    counts of the GEMMs and of dispatch/combine (0: derived from the SM count). No knob changes
-    a result bit.
+    ``out``: optional preallocated output (tests poison it). ``path``: ``"mega"`` or ``"staged"``
+    (default ``FORWARD_PATH``, from ``MOK_FORWARD``); every rank of the group must use the same.
+    ``gemm_ctas`` / ``comm_ctas``: staged: CTA counts of the GEMMs and of dispatch/combine;
+    mega: CTAs besides the dispatching ones, and dispatching CTAs (default
+    ``cfg.fwd_comm_sms``); 0: derived from the SM count. No knob changes a result bit.
     """
+    path = path or FORWARD_PATH
+    if path not in FORWARD_PATHS:
+        raise ValueError(f"megatron_mok: forward path must be one of {FORWARD_PATHS}, got {path!r}")
     reason = _unsupported_reason(ws, x, fc1, shared_fc1)
     if reason is not None:
         _fallback(reason)
         return reference.forward(ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2)
+    if path == "mega":
+        return _forward_mega(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, out, gemm_ctas, comm_ctas)
     c = _comm(ws)
     T, H, k = ws.num_tokens, ws.hidden, ws.topk
     comb, comb_ptrs = c.buffer("comb", (T * k, H), torch.bfloat16)

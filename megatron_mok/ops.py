@@ -20,6 +20,9 @@ _LOAD_ERROR: str | None = None
 
 # Must match kChunk in csrc/kernels/schedule.cu (tokens per block of the schedule passes).
 SCHEDULE_CHUNK = 256
+# Must match csrc/kernels/megakernel.cu: kHeader ints, then 2 per routed m-tile, 1 per shared m-tile.
+MEGA_COUNTER_HEADER = 4
+ROW_TILE = 128
 
 
 def _load() -> bool:
@@ -51,7 +54,8 @@ def _register_fakes() -> None:
     def _noop(*args, **kwargs):
         return None
 
-    for name in ("gather_routing", "barrier", "build_schedule", "dispatch", "grouped_gemm", "combine", "moe_epilogue"):
+    for name in ("gather_routing", "barrier", "publish_barrier", "build_schedule", "dispatch", "grouped_gemm",
+                 "combine", "moe_epilogue", "moe_epilogue_wait", "megakernel"):
         torch.library.register_fake(f"megatron_mok::{name}")(_noop)
 
 
@@ -61,12 +65,30 @@ def _ops():
     return torch.ops.megatron_mok
 
 
+def schedule_histogram_offset(ep: int, num_tokens: int, nle: int) -> int:
+    """Start of the schedule scratch's histogram (num_experts ints that the gather zeroes)."""
+    return nle * ep * math.ceil(num_tokens / SCHEDULE_CHUNK)
+
+
 def schedule_scratch_ints(ep: int, num_tokens: int, nle: int, num_experts: int) -> int:
-    return nle * ep * math.ceil(num_tokens / SCHEDULE_CHUNK) + num_experts
+    return schedule_histogram_offset(ep, num_tokens, nle) + num_experts
 
 
-def gather_routing(top_experts, state, peer_bufs: list[int], rank: int, num_experts: int) -> None:
-    _ops().gather_routing(top_experts, state, peer_bufs, rank, num_experts)
+def megakernel_counter_ints(capacity: int, num_tokens: int) -> int:
+    return MEGA_COUNTER_HEADER + 2 * (capacity // ROW_TILE) + math.ceil(num_tokens / ROW_TILE)
+
+
+def gather_routing(top_experts, state, errors, zero_buf, peer_bufs: list[int], peer_flags: list[int], rank: int,
+                   num_experts: int, timeout_s: float) -> None:
+    """All-gather of the routing by peer stores plus the barrier that completes it (one launch);
+    ``zero_buf`` (the schedule's histogram) is zeroed on the way."""
+    _ops().gather_routing(top_experts, state, errors, zero_buf, peer_bufs, peer_flags, rank, num_experts,
+                          float(timeout_s))
+
+
+def publish_barrier(src, dst, state, errors, peer_flags: list[int], rank: int, timeout_s: float) -> None:
+    """``dst`` (this rank's symmetric buffer) <- ``src``, then a device barrier (one launch)."""
+    _ops().publish_barrier(src, dst, state, errors, peer_flags, rank, float(timeout_s))
 
 
 def barrier(state, errors, peer_flags: list[int], rank: int, timeout_s: float, bump_gather: bool = False) -> None:
@@ -99,3 +121,20 @@ def combine(y, row_src_rank, row_src_slot, expert_offsets, state, peer_comb: lis
 
 def moe_epilogue(comb, probs, shared_y, out) -> None:
     _ops().moe_epilogue(comb, probs, shared_y, out)
+
+
+def moe_epilogue_wait(comb, probs, shared_y, out, state, errors, peer_flags: list[int], rank: int,
+                      timeout_s: float) -> None:
+    """The epilogue behind the closing half of the barrier that ``megakernel`` opened."""
+    _ops().moe_epilogue_wait(comb, probs, shared_y, out, state, errors, peer_flags, rank, float(timeout_s))
+
+
+def megakernel(x, fc1, fc2, shared_fc1, shared_fc2, row_src_rank, row_src_slot, expert_counts, expert_offsets,
+               x_routed, act, y_routed, shared_act, shared_y, counters, state, errors, peer_x: list[int],
+               peer_comb: list[int], peer_flags: list[int], rank: int, topk: int, num_comm: int, num_compute: int,
+               minibatch_rows: int, timeout_s: float) -> None:
+    """The persistent forward megakernel (csrc/kernels/megakernel.cu): dispatch, shared and routed
+    expert GEMMs, push-combine, and the opening half of the closing barrier, in one launch."""
+    _ops().megakernel(x, fc1, fc2, shared_fc1, shared_fc2, row_src_rank, row_src_slot, expert_counts, expert_offsets,
+                      x_routed, act, y_routed, shared_act, shared_y, counters, state, errors, peer_x, peer_comb,
+                      peer_flags, rank, topk, num_comm, num_compute, minibatch_rows, float(timeout_s))

@@ -7,7 +7,9 @@ Launch with torchrun, one process per GPU; EP = world size (1 works without torc
         --backends mok,alltoall,symm_a2a --pass fwd --iters 50
 
 Backends (same inputs, same weights, bf16, one shared expert of size Is = I):
-  mok       megatron_mok.build_schedule + megatron_mok.forward (the CUDA kernels of csrc/)
+  mok       megatron_mok.build_schedule + megatron_mok.forward (the CUDA kernels of csrc/; the
+            forward is the persistent megakernel unless MOK_FORWARD=staged)
+  mok_staged  the same with the stage-2 forward launches (kernel_path.FORWARD_PATH = "staged")
   alltoall  Megatron-Core MoEAlltoAllTokenDispatcher (NCCL all-to-all) + torch._grouped_mm experts
   symm_a2a  torch.ops.symm_mem.all_to_all_vdev_2d dispatch, all_to_all_vdev_2d_offset combine,
             torch._grouped_mm experts. Needs the NVSHMEM symmetric-memory backend, selected before
@@ -48,7 +50,7 @@ from megatron_mok.shapes import MOE_SHAPES  # noqa: E402
 
 # model: (experts, hidden H, expert I, top-k); one shared expert with Is = I (docs: DESIGN.md)
 SHAPES = {name: (s.num_experts, s.hidden, s.ffn, s.topk) for name, s in MOE_SHAPES.items()}
-BACKENDS = ("mok", "alltoall", "symm_a2a")
+BACKENDS = ("mok", "mok_staged", "alltoall", "symm_a2a")
 
 
 _T0 = time.time()
@@ -97,8 +99,8 @@ def shared_expert(c):
 # ---- backends: each returns a step() -> out [T, H] --------------------------------------------------
 
 
-def backend_mok(c, dev):
-    from megatron_mok import MoKConfig, functional, get_workspace, ops
+def backend_mok(c, dev, path=None):
+    from megatron_mok import MoKConfig, functional, get_workspace, kernel_path, ops
 
     if not ops.is_available():
         raise RuntimeError(f"megatron_mok._C not available: {ops.load_error()}")
@@ -107,10 +109,20 @@ def backend_mok(c, dev):
 
     def step():
         sched = functional.build_schedule(cfg, ws, c["top"])
-        out, _ = functional.forward(cfg, ws, sched, c["x"], c["probs"], c["fc1"], c["fc2"], c["sfc1"], c["sfc2"])
+        default = kernel_path.FORWARD_PATH
+        kernel_path.FORWARD_PATH = path or default
+        try:
+            out, _ = functional.forward(cfg, ws, sched, c["x"], c["probs"], c["fc1"], c["fc2"], c["sfc1"],
+                                        c["sfc2"])
+        finally:
+            kernel_path.FORWARD_PATH = default
         return out
 
     return step, ws
+
+
+def backend_mok_staged(c, dev):
+    return backend_mok(c, dev, path="staged")
 
 
 def _megatron_groups():
@@ -227,7 +239,8 @@ def backend_symm_a2a(c, dev):
     return step, None
 
 
-BACKEND_FNS = {"mok": backend_mok, "alltoall": backend_alltoall, "symm_a2a": backend_symm_a2a}
+BACKEND_FNS = {"mok": backend_mok, "mok_staged": backend_mok_staged, "alltoall": backend_alltoall,
+               "symm_a2a": backend_symm_a2a}
 
 
 # ---- timing -----------------------------------------------------------------------------------------
@@ -270,7 +283,8 @@ def matmul_roofline(dev) -> float:
 
 
 def mok_breakdown(c, dev, iters: int) -> dict:
-    """Time each launch of the stage-2 mok forward separately (same ops as kernel_path.forward)."""
+    """Time each launch of the stage-2 (staged) mok forward separately (same ops as
+    kernel_path.forward(path="staged")); the megakernel runs as one launch and is not split."""
     from megatron_mok import MoKConfig, get_workspace, kernel_path as kp, ops
 
     cfg = MoKConfig()
@@ -365,7 +379,7 @@ def run_cases(args, backends, dev) -> list[dict]:
         for T in [int(t) for t in args.tokens.split(",")]:
             c = make_case(shape, T, args.routing, args.seed, dev)
             flops = 6 * T * c["k"] * c["H"] * c["I"] + 6 * T * c["H"] * c["Is"]
-            ref_out = None
+            ref_out = ref_bits = None
             for be in backends:
                 row = dict(shape=shape, tokens=T, backend=be, ep=ep, routing=args.routing, flops_per_rank=flops)
                 step = out = None
@@ -381,6 +395,7 @@ def run_cases(args, backends, dev) -> list[dict]:
                     saved = os.path.join(args.tmp_dir, f"mok_out_{shape}_{T}_{args.routing}_rank{dist.get_rank()}.pt")
                     if be == "mok":
                         ref_out = out.float().clone()
+                        ref_bits = out.clone()
                         torch.save(out.cpu(), saved)  # the symm_a2a child compares against it
                     elif ref_out is None and os.path.exists(saved):
                         ref_out = torch.load(saved).to(dev).float()
@@ -388,6 +403,11 @@ def run_cases(args, backends, dev) -> list[dict]:
                         e = torch.tensor([float((out.float() - ref_out).norm() / ref_out.norm())], device=dev)
                         dist.all_reduce(e, op=dist.ReduceOp.MAX)
                         row["rel_err_vs_mok"] = float(e)
+                    if be == "mok_staged" and ref_bits is not None:
+                        same = torch.tensor([int(torch.equal(out.view(torch.int16), ref_bits.view(torch.int16)))],
+                                            device=dev)
+                        dist.all_reduce(same, op=dist.ReduceOp.MIN)
+                        row["bitwise_equal_to_mok"] = bool(same.item())
                     times = time_iters(step, args.iters, args.warmup)
                     ts = sorted(times)
                     med = ts[len(ts) // 2]
@@ -403,16 +423,18 @@ def run_cases(args, backends, dev) -> list[dict]:
                         traceback.print_exc()
                 rows.append(row)
                 if row["status"] == "ok":
-                    log(f"{shape:16s} T={T:5d} {be:9s} {row['ms']:8.3f} ms  {row['tflops']:6.1f} TFLOP/s"
-                        + (f"  err_vs_mok={row['rel_err_vs_mok']:.2e}" if "rel_err_vs_mok" in row else ""))
+                    log(f"{shape:16s} T={T:5d} {be:10s} {row['ms']:8.3f} ms  {row['tflops']:6.1f} TFLOP/s"
+                        + (f"  err_vs_mok={row['rel_err_vs_mok']:.2e}" if "rel_err_vs_mok" in row else "")
+                        + (f"  bitwise_vs_mok={row['bitwise_equal_to_mok']}" if "bitwise_equal_to_mok" in row
+                           else ""))
                 else:
-                    log(f"{shape:16s} T={T:5d} {be:9s} ERROR {row['error']}")
+                    log(f"{shape:16s} T={T:5d} {be:10s} ERROR {row['error']}")
                 step = out = None  # release this backend's buffers before the next one
                 gc.collect()
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
                 dist.barrier()
-            del c, ref_out
+            del c, ref_out, ref_bits
             torch.cuda.empty_cache()
         if "mok" in backends:
             from megatron_mok import clear_workspace_cache
@@ -536,18 +558,20 @@ def main() -> None:
             command=os.environ.get("MOK_BENCH_CMD", " ".join([sys.executable] + sys.argv)),
             argv=sys.argv, torch=torch.__version__, cuda=torch.version.cuda, gpu=gpu, ep=ep, pass_=args.pass_,
             date=datetime.date.today().isoformat(), matmul_8192_tflops=roof, seconds=time.time() - t0,
-            env={k: os.environ.get(k) for k in NO_MULTICAST_ENV},
+            env={k: os.environ.get(k) for k in (*NO_MULTICAST_ENV, "MOK_FORWARD", "MOK_GEMM_SKIP_PAD")},
             results=sorted(old.values(), key=lambda r: (r["shape"], r["tokens"], r["backend"])))
+        if os.environ.get("MOK_BENCH_NOTE"):
+            doc["note"] = os.environ["MOK_BENCH_NOTE"]
         with open(path, "w") as f:
             json.dump(doc, f, indent=1)
         print(f"wrote {path}")
-        print(f"\n{'shape':16s} {'T':>5s} {'backend':9s} {'ms':>8s} {'TFLOP/s':>8s} {'roof%':>6s}")
+        print(f"\n{'shape':16s} {'T':>5s} {'backend':10s} {'ms':>8s} {'TFLOP/s':>8s} {'roof%':>6s}")
         for r in doc["results"]:
             if r.get("status") == "ok":
-                print(f"{r['shape']:16s} {r['tokens']:5d} {r['backend']:9s} {r['ms']:8.3f} {r['tflops']:8.1f} "
+                print(f"{r['shape']:16s} {r['tokens']:5d} {r['backend']:10s} {r['ms']:8.3f} {r['tflops']:8.1f} "
                       f"{100 * r.get('roofline_frac', 0):6.1f}")
             else:
-                print(f"{r['shape']:16s} {r['tokens']:5d} {r['backend']:9s}    ERROR {r.get('error', '')[:60]}")
+                print(f"{r['shape']:16s} {r['tokens']:5d} {r['backend']:10s}    ERROR {r.get('error', '')[:60]}")
     dist.barrier()
     dist.destroy_process_group()
 

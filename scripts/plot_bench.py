@@ -14,7 +14,7 @@ import json
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BACKEND_ORDER = ["mok", "alltoall", "symm_a2a"]
+BACKEND_ORDER = ["mok", "mok_staged", "alltoall", "symm_a2a"]
 
 
 def load(paths):
@@ -54,6 +54,8 @@ def table(docs) -> str:
                 err = ""
                 if "gate_rel_err_vs_fp32_reference" in r:
                     err = f"{r['gate_rel_err_vs_fp32_reference']:.1e} vs fp32 ref"
+                elif r.get("bitwise_equal_to_mok"):
+                    err = "bitwise = mok"
                 elif "rel_err_vs_mok" in r:
                     err = f"{r['rel_err_vs_mok']:.1e} vs mok"
                 lines.append(f"| {shape} | {T} | {routing} | {be} | {r['ms']:.3f} | {r['tflops']:.0f} | "

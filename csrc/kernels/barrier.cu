@@ -1,48 +1,29 @@
-// Device-side cross-rank barrier over epoch counters in a symmetric int32 [ep] buffer.
+// Device-side cross-rank barrier over epoch counters in a symmetric int32 [ep] buffer (see
+// barrier.cuh), alone or fused behind the copy of x into this rank's symmetric x buffer.
 //
 // No NVLink multicast: each rank stores its epoch into every peer's buffer (peer stores over
-// NVLink) and polls its own. Epochs only grow, so nothing is reset and the kernel replays inside
-// a CUDA graph (the epoch lives in device memory). A peer that does not arrive within the
-// timeout is reported in errors[kErrPeerTimeout] = 1 + peer, and the kernel returns.
-#include "common.cuh"
+// NVLink) and polls its own. A peer that does not arrive within the timeout is reported in
+// errors[kErrPeerTimeout] = 1 + peer, and the kernel returns.
+#include <algorithm>
+
+#include "barrier.cuh"
 
 namespace mok {
 namespace {
 
 __global__ void barrier_kernel(PeerPtrs flags, int* state, int* errors, int rank, int ep, uint64_t timeout_ns,
                                int bump_gather) {
-  __shared__ int s_epoch;
-  if (threadIdx.x == 0) {
-    const int e = state[kStateBarrierEpoch] + 1;
-    state[kStateBarrierEpoch] = e;
-    if (bump_gather) {
-      const int g = state[kStateGatherCount];
-      state[kStateGatherParity] = g & 1;
-      state[kStateGatherCount] = g + 1;
-    }
-    s_epoch = e;
-  }
-  __syncthreads();
-  const int epoch = s_epoch;
-  // Everything this rank wrote before (earlier kernels, peer stores included) is visible
-  // system-wide before the peers can observe the new epoch.
-  __threadfence_system();
-  for (int p = threadIdx.x; p < ep; p += blockDim.x) st_release_sys(static_cast<int*>(flags.p[p]) + rank, epoch);
+  barrier_block(flags, state, errors, rank, ep, timeout_ns, bump_gather);
+}
 
-  const int* mine = static_cast<const int*>(flags.p[rank]);
-  const bool dead = ld_volatile(errors + kErrPeerTimeout) != 0;  // a peer already stalled: do not wait again
-  for (int p = threadIdx.x; p < ep; p += blockDim.x) {
-    if (dead) break;
-    const uint64_t t0 = globaltimer_ns();
-    uint32_t spins = 0;
-    while (ld_acquire_sys(mine + p) < epoch) {
-      if ((++spins & 255) == 0 && globaltimer_ns() - t0 > timeout_ns) {
-        atomicCAS(errors + kErrPeerTimeout, 0, 1 + p);
-        break;
-      }
-    }
-  }
-  __syncthreads();
+// dst <- src (16-byte vectors), then the last block to finish opens the barrier: peers read dst
+// only after they have seen this rank's epoch, and this rank goes on only after every peer's copy.
+__global__ void publish_barrier_kernel(const uint4* __restrict__ src, uint4* __restrict__ dst, int64_t n16,
+                                       PeerPtrs flags, int* state, int* errors, int rank, int ep,
+                                       uint64_t timeout_ns) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n16; i += (int64_t)gridDim.x * blockDim.x)
+    dst[i] = src[i];
+  if (last_block_arrive(state + kStateArrive)) barrier_block(flags, state, errors, rank, ep, timeout_ns, 0);
 }
 
 }  // namespace
@@ -51,6 +32,20 @@ const char* launch_barrier(const PeerPtrs& flags, int* state, int* errors, int r
                            int bump_gather, cudaStream_t stream) {
   if (ep < 1 || ep > kMaxPeers || rank < 0 || rank >= ep) return "mok barrier: bad rank / EP size";
   barrier_kernel<<<1, 32, 0, stream>>>(flags, state, errors, rank, ep, timeout_ns, bump_gather);
+  return launch_status();
+}
+
+const char* launch_publish_barrier(const void* src, void* dst, int64_t bytes, const PeerPtrs& flags, int* state,
+                                   int* errors, int rank, int ep, uint64_t timeout_ns, cudaStream_t stream) {
+  if (ep < 1 || ep > kMaxPeers || rank < 0 || rank >= ep) return "mok publish_barrier: bad rank / EP size";
+  if (bytes % 16 || (reinterpret_cast<uintptr_t>(src) & 15) || (reinterpret_cast<uintptr_t>(dst) & 15))
+    return "mok publish_barrier: src/dst must be 16-byte aligned, a multiple of 16 bytes";
+  const int64_t n16 = bytes / 16;
+  const int threads = 256;
+  const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((n16 + threads - 1) / threads,
+                                                                             2 * num_sms())));
+  publish_barrier_kernel<<<blocks, threads, 0, stream>>>(static_cast<const uint4*>(src), static_cast<uint4*>(dst),
+                                                         n16, flags, state, errors, rank, ep, timeout_ns);
   return launch_status();
 }
 

@@ -5,7 +5,7 @@
 // epilogue: after a barrier, each rank sums its k slots per token in slot order in fp32 with
 // explicit round-to-nearest multiplies and adds (no FMA contraction, so the bits depend only on the
 // inputs), adds the shared expert output, and casts once.
-#include "common.cuh"
+#include "barrier.cuh"
 
 namespace mok {
 namespace {
@@ -50,7 +50,12 @@ __device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
 // grid (ceil(H / 8 / blockDim), T): one thread per 8 columns of one token.
 __global__ void epilogue_kernel(const __nv_bfloat16* __restrict__ comb, const float* __restrict__ probs,
                                 const __nv_bfloat16* __restrict__ shared_y, __nv_bfloat16* __restrict__ out, int k,
-                                int H) {
+                                int H, const int* wait_flags, const int* state, int* errors, int ep,
+                                uint64_t timeout_ns) {
+  if (wait_flags != nullptr) {  // closing half of the barrier after the megakernel
+    if (threadIdx.x == 0) barrier_wait(wait_flags, ep, state[kStateBarrierEpoch], errors, timeout_ns, 0, 1);
+    __syncthreads();
+  }
   const int c8 = blockIdx.x * blockDim.x + threadIdx.x;
   if (c8 * 8 >= H) return;
   const int64_t t = blockIdx.y;
@@ -60,7 +65,8 @@ __global__ void epilogue_kernel(const __nv_bfloat16* __restrict__ comb, const fl
   for (int s = 0; s < k; ++s) {
     const float p = probs[t * k + s];
     float f[8];
-    unpack8(ld16(comb + (t * k + s) * H + c8 * 8), f);
+    // .cg: the slots were written by peers during this forward (never through this SM's L1)
+    unpack8(__ldcg(reinterpret_cast<const uint4*>(comb + (t * k + s) * H + c8 * 8)), f);
 #pragma unroll
     for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(p, f[j]));
   }
@@ -89,7 +95,10 @@ const char* launch_combine(const void* y, const int* row_src_rank, const int* ro
 }
 
 const char* launch_epilogue(const void* comb, const float* probs, const void* shared_y, void* out, int T, int k, int H,
+                            const int* wait_flags, const int* state, int* errors, int ep, uint64_t timeout_ns,
                             cudaStream_t stream) {
+  if (wait_flags != nullptr && (state == nullptr || errors == nullptr || ep < 1 || ep > kMaxPeers))
+    return "mok epilogue: the barrier wait needs state, errors and the EP size";
   if (H % 8) return "mok epilogue: H must be a multiple of 8";
   if (T <= 0) return nullptr;
   if (T > 65535) return "mok epilogue: more than 65535 tokens";
@@ -97,7 +106,8 @@ const char* launch_epilogue(const void* comb, const float* probs, const void* sh
   dim3 grid((H / 8 + threads - 1) / threads, T);
   epilogue_kernel<<<grid, threads, 0, stream>>>(static_cast<const __nv_bfloat16*>(comb), probs,
                                                 static_cast<const __nv_bfloat16*>(shared_y),
-                                                static_cast<__nv_bfloat16*>(out), k, H);
+                                                static_cast<__nv_bfloat16*>(out), k, H, wait_flags, state, errors,
+                                                ep, timeout_ns);
   return launch_status();
 }
 

@@ -51,6 +51,64 @@ __device__ __forceinline__ int ld_volatile(const int* p) {
   return *reinterpret_cast<const volatile int*>(p);
 }
 
+// GPU-scope flags between CTAs of one launch (the megakernel's ready counters).
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Orders this thread's generic-proxy global accesses with async-proxy (TMA) accesses: global data
+// written with ordinary stores by one CTA and read by TMA in another needs it on both sides.
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// Named barriers over one warpgroup (128 threads); id 0 is __syncthreads.
+__device__ __forceinline__ void warpgroup_bar_sync(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
+
+// OR of `pred` over the warpgroup (every thread gets the same answer).
+__device__ __forceinline__ bool warpgroup_bar_or(int id, bool pred) {
+  uint32_t out;
+  asm volatile(
+      "{\n"
+      ".reg .pred p, q;\n"
+      "setp.ne.u32 q, %1, 0;\n"
+      "bar.red.or.pred p, %2, 128, q;\n"
+      "selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(out)
+      : "r"((uint32_t)pred), "r"(id)
+      : "memory");
+  return out != 0;
+}
+
+// A spin-wait guard: gives up after timeout_ns, or at once when another waiter of the launch gave
+// up (*abort != 0). Giving up records `code` in errors[kErrPeerTimeout] and sets *abort, so a bug
+// or a stalled dependency ends the kernel (with garbage and a raised error) instead of hanging.
+struct Watchdog {
+  int* abort;
+  int* errors;
+  uint64_t timeout_ns;
+  int code;
+};
+
+// Call in a spin loop with the loop's start time; true: stop waiting.
+__device__ __forceinline__ bool watchdog_expired(const Watchdog& w, uint64_t t0, uint32_t& spins) {
+  if ((++spins & 63) != 0) return false;
+  if (ld_volatile(w.abort) != 0) return true;
+  if (globaltimer_ns() - t0 > w.timeout_ns) {
+    atomicCAS(w.errors + kErrPeerTimeout, 0, w.code);
+    atomicExch(w.abort, 1);
+    return true;
+  }
+  return false;
+}
+
 // 16-byte vector copies. Loads from peers use the non-coherent-free ordinary path (ld.global):
 // the barrier that precedes the copy provides the ordering.
 __device__ __forceinline__ uint4 ld16(const void* p) { return *reinterpret_cast<const uint4*>(p); }
@@ -85,6 +143,30 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       "}\n" ::"r"(smem_u32(bar)),
       "r"(parity)
       : "memory");
+}
+
+__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile(
+      "{\n"
+      ".reg .pred P1;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%1], %2;\n"
+      "selp.b32 %0, 1, 0, P1;\n"
+      "}\n"
+      : "=r"(ok)
+      : "r"(smem_u32(bar)), "r"(parity)
+      : "memory");
+  return ok != 0;
+}
+
+// mbar_wait with a watchdog; false: gave up (the phase did not complete).
+__device__ __forceinline__ bool mbar_wait_watch(uint64_t* bar, uint32_t parity, const Watchdog& w) {
+  if (mbar_try_wait(bar, parity)) return true;
+  const uint64_t t0 = globaltimer_ns();
+  uint32_t spins = 0;
+  while (!mbar_try_wait(bar, parity))
+    if (watchdog_expired(w, t0, spins)) return false;
+  return true;
 }
 
 // ---- TMA ------------------------------------------------------------------------------------

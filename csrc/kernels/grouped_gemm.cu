@@ -39,8 +39,9 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
     float acc[128];
     uint32_t it = 0;
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-      gemm::mma_tile(p, sm, cw, acc, it, gemm::half_active(p, tile, cw));
-      gemm::store_tile<kSwiGLU>(p, tile, cw, acc, total);
+      const bool active = gemm::half_active(p, tile, cw);
+      gemm::mma_tile(p, sm, cw, acc, it, active);
+      gemm::store_tile<kSwiGLU>(p, tile, cw, acc, total, active);
     }
   }
 }

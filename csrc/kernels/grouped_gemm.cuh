@@ -69,10 +69,24 @@ __device__ __forceinline__ int find_segment(const Params& p, int row) {
   return lo;
 }
 
-// Producer: one thread streams the A and B K-blocks of `tile` through the ring.
-template <bool kSwiGLU>
+// Ring wait: plain, or (megakernel) under a watchdog so a protocol stall cannot hang the GPU.
+template <bool kWatch>
+__device__ __forceinline__ bool ring_wait(uint64_t* bar, uint32_t parity, const Watchdog* w) {
+  if constexpr (kWatch) {
+    return mbar_wait_watch(bar, parity, *w);
+  } else {
+    mbar_wait(bar, parity);
+    return true;
+  }
+}
+
+// Producer: one thread streams the A and B K-blocks of `tile` through the ring. stage_tag (the
+// megakernel): `tag` is written to stage_tag[s] of the tile's first stage before it is armed, so
+// the consumers learn which task the stage belongs to.
+template <bool kSwiGLU, bool kWatch = false>
 __device__ __forceinline__ void produce_tile(const Params& p, const CUtensorMap* tmA, const CUtensorMap* tmB,
-                                             const Smem& sm, int tile, uint32_t& it) {
+                                             const Smem& sm, int tile, uint32_t& it, const Watchdog* w = nullptr,
+                                             volatile int* stage_tag = nullptr, int tag = 0) {
   const int m = tile / p.n_tiles, n = tile % p.n_tiles;
   const int row0 = m * BM;
   const int brow = find_segment(p, row0) * p.b_rows_per_seg;
@@ -82,7 +96,8 @@ __device__ __forceinline__ void produce_tile(const Params& p, const CUtensorMap*
   for (int kb = 0; kb < nk; ++kb, ++it) {
     const int s = it % kStages;
     const uint32_t phase = (it / kStages) & 1;
-    mbar_wait(&sm.empty[s], phase ^ 1);
+    ring_wait<kWatch>(&sm.empty[s], phase ^ 1, w);
+    if (stage_tag != nullptr && kb == 0) stage_tag[s] = tag;
     mbar_arrive_expect_tx(&sm.full[s], kStageBytes);
     tma_load_2d(sm.a(s), tmA, &sm.full[s], kb * BK, row0);
     tma_load_2d(sm.b(s), tmB, &sm.full[s], kb * BK, b0);
@@ -102,25 +117,25 @@ __device__ __forceinline__ bool half_active(const Params& p, int tile, int cw) {
 }
 
 // Consumer warpgroup `cw` (0 or 1): rows 64 cw .. 64 cw + 63 of the tile, all 256 columns.
-// An inactive warpgroup only keeps the ring's barrier phases and returns zero accumulators.
+// An inactive warpgroup only keeps the ring's barrier phases and leaves acc untouched (store_tile
+// writes its zeros): any non-wgmma write of acc here makes ptxas serialize every wgmma (C7515).
+template <bool kWatch = false>
 __device__ __forceinline__ void mma_tile(const Params& p, const Smem& sm, int cw, float (&acc)[128], uint32_t& it,
-                                         bool active) {
+                                         bool active, const Watchdog* w = nullptr) {
   const int nk = (p.K + BK - 1) / BK;
   if (!active) {
     for (int kb = 0; kb < nk; ++kb, ++it) {
       const int s = it % kStages;
-      mbar_wait(&sm.full[s], (it / kStages) & 1);
+      ring_wait<kWatch>(&sm.full[s], (it / kStages) & 1, w);
       mbar_arrive(&sm.empty[s]);
     }
-#pragma unroll
-    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
     return;
   }
   int prev = -1;
   for (int kb = 0; kb < nk; ++kb, ++it) {
     const int s = it % kStages;
     const uint32_t phase = (it / kStages) & 1;
-    mbar_wait(&sm.full[s], phase);
+    ring_wait<kWatch>(&sm.full[s], phase, w);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
@@ -141,9 +156,11 @@ __device__ __forceinline__ void mma_tile(const Params& p, const Smem& sm, int cw
 }
 
 // Epilogue straight from the accumulators: bf16 pairs to global memory, rows < row_limit,
-// columns < N.
+// columns < N. !active: the warpgroup's rows are padding (zero rows of A), written as +0, the value
+// the MMA and silu(0) * 0 give them.
 template <bool kSwiGLU>
-__device__ __forceinline__ void store_tile(const Params& p, int tile, int cw, const float (&acc)[128], int row_limit) {
+__device__ __forceinline__ void store_tile(const Params& p, int tile, int cw, const float (&acc)[128], int row_limit,
+                                           bool active = true) {
   const int m = tile / p.n_tiles, n = tile % p.n_tiles;
   const int t = threadIdx.x % 128;
   const int warp = t / 32, lane = t % 32;
@@ -163,6 +180,7 @@ __device__ __forceinline__ void store_tile(const Params& p, int tile, int cw, co
       v0 = acc[i];
       v1 = acc[i + 1];
     }
+    if (!active) v0 = v1 = 0.f;
     if (r < row_limit && c < p.N)
       *reinterpret_cast<__nv_bfloat162*>(p.out + static_cast<int64_t>(r) * p.N + c) = __floats2bfloat162_rn(v0, v1);
   }

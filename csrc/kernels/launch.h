@@ -21,14 +21,23 @@ enum StateSlot : int {
   kStateBarrierEpoch = 0,  // barriers this rank has entered (monotonic epoch)
   kStateGatherCount = 1,   // routing all-gathers issued (selects the double-buffer half)
   kStateGatherParity = 2,  // half of the routing buffer that the current schedule reads
+  kStateArrive = 3,        // blocks of a fused kernel that have arrived (the last one resets it)
   kStateInts = 8,
 };
 
-// Routing all-gather: writes top_experts (int32/int64 [T, k], n = T * k values), saturated to
-// [-1, num_experts], as int32 into half (state[kStateGatherCount] & 1) of every rank's symmetric
-// [2, ep, T, k] buffer, row `rank`.
+// Routing all-gather, fused with the barrier that completes it: writes top_experts (int32/int64
+// [T, k], n = T * k values), saturated to [-1, num_experts], as int32 into half
+// (state[kStateGatherCount] & 1) of every rank's symmetric [2, ep, T, k] buffer, row `rank`; zeroes
+// zero_buf[n_zero] (the schedule's histogram); then the last block runs the barrier (with the
+// routing double-buffer bump) over `flags`.
 const char* launch_gather_routing(const void* top_experts, bool is_int64, int n, const PeerPtrs& bufs,
-                                  const int* state, int rank, int ep, int num_experts, cudaStream_t stream);
+                                  int* state, int* errors, const PeerPtrs& flags, uint64_t timeout_ns,
+                                  int* zero_buf, int n_zero, int rank, int ep, int num_experts,
+                                  cudaStream_t stream);
+
+// dst[0, bytes) <- src (this rank's symmetric x buffer), then a full barrier (one launch).
+const char* launch_publish_barrier(const void* src, void* dst, int64_t bytes, const PeerPtrs& flags, int* state,
+                                   int* errors, int rank, int ep, uint64_t timeout_ns, cudaStream_t stream);
 
 // Cross-rank barrier on epoch counters: each rank stores its new epoch into slot `rank` of every
 // peer's symmetric int32 [ep] flag buffer (st.release.sys), then waits (ld.acquire.sys) until all
@@ -38,14 +47,17 @@ const char* launch_gather_routing(const void* top_experts, bool is_int64, int n,
 const char* launch_barrier(const PeerPtrs& flags, int* state, int* errors, int rank, int ep, uint64_t timeout_ns,
                            int bump_gather, cudaStream_t stream);
 
-// Scratch int32 elements that launch_schedule needs.
+// Scratch int32 elements that launch_schedule needs; the last num_experts of them (from
+// schedule_histogram_offset) must be zero at its start: launch_gather_routing's zero_buf.
 int64_t schedule_scratch_ints(int ep, int T, int nle, int num_experts);
+int64_t schedule_histogram_offset(int ep, int T, int nle);
 
 // The routed-row schedule of docs/ARCHITECTURE.md from the gathered routing (half
 // state[kStateGatherParity] of routing_buf [2, ep, T, k]). Writes top_all [ep, T, k] (a copy),
 // row_src_rank / row_src_slot [capacity], expert_counts [nle], expert_offsets [nle + 1]; flags
-// bad expert ids, duplicates and capacity overflow (of any rank) into errors.
-const char* launch_schedule(const int* routing_buf, const int* state, int* errors, int* top_all, int* row_src_rank,
+// bad expert ids, duplicates and capacity overflow (of any rank) into errors. Two launches: count
+// (+ row init, + the scan in its last block) and fill.
+const char* launch_schedule(const int* routing_buf, int* state, int* errors, int* top_all, int* row_src_rank,
                             int* row_src_slot, int* expert_counts, int* expert_offsets, int* scratch, int rank,
                             int ep, int T, int k, int nle, int num_experts, int capacity, cudaStream_t stream);
 
@@ -73,7 +85,51 @@ const char* launch_combine(const void* y, const int* row_src_rank, const int* ro
 
 // out[t] = sum_{s < k} probs[t, s] * comb[t * k + s] (fp32, slot order, no contraction)
 //          + shared_y[t] (if not null); cast once to bf16.
+// wait_flags (optional, this rank's barrier buffer): every block first waits until all ep slots
+// reach state[kStateBarrierEpoch] (the epoch the megakernel's last CTA published), i.e. the
+// closing half of the barrier that follows the megakernel.
 const char* launch_epilogue(const void* comb, const float* probs, const void* shared_y, void* out, int T, int k, int H,
+                            const int* wait_flags, const int* state, int* errors, int ep, uint64_t timeout_ns,
                             cudaStream_t stream);
+
+// ---- the persistent forward megakernel (megakernel.cu) ---------------------------------------
+
+struct MegaArgs {
+  // inputs
+  const void* x;           // [T, H] (the shared expert's A operand)
+  const void* fc1;         // [nle, 2I, H]
+  const void* fc2;         // [nle, H, I]
+  const void* shared_fc1;  // [2Is, H] or null (no shared expert)
+  const void* shared_fc2;  // [H, Is]
+  const int* row_src_rank;
+  const int* row_src_slot;
+  const int* expert_counts;
+  const int* expert_offsets;
+  // outputs (the forward context) and scratch
+  void* x_routed;    // [capacity, H]
+  void* act;         // [capacity, I]
+  void* y_routed;    // [capacity, H]
+  void* shared_act;  // [T, Is]
+  void* shared_y;    // [T, H]
+  int* counters;     // megakernel_counter_ints(...) int32, zero before the first launch
+  int* state;
+  int* errors;
+  PeerPtrs x_bufs;     // symmetric x [T, H] of every rank
+  PeerPtrs comb_bufs;  // symmetric combine slots [T * k, H] of every rank
+  PeerPtrs flags;      // symmetric barrier buffers
+  int T, H, I, Is, k, nle, capacity, rank, ep;
+  int num_comm;        // CTAs that pull-dispatch first (then compute)
+  int num_compute;     // other CTAs (0: one per remaining SM)
+  int minibatch_rows;  // multiple of 128
+  uint64_t timeout_ns;  // watchdog of every wait inside the kernel
+};
+
+int64_t megakernel_counter_ints(int capacity, int T);
+
+// One launch: pull-dispatch, shared expert, routed gate/up (+SwiGLU) and down GEMMs, push-combine
+// into the source ranks' slots, and the opening half of the closing barrier (launch_epilogue with
+// wait_flags closes it). Same bits as the staged kernels for every num_comm / num_compute /
+// minibatch_rows.
+const char* launch_megakernel(const MegaArgs& a, cudaStream_t stream);
 
 }  // namespace mok

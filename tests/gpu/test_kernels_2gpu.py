@@ -69,6 +69,14 @@ def _suite(rank: int, world: int) -> list[str]:
             first = out.clone() if first is None else first
             assert torch.equal(out, first), "not bitwise repeatable"
             poison_internal(ws)
+        # the megakernel (default) and the staged launches give the same bits
+        staged = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=dev)
+        staged, _ = kp.forward(cfg, ws, sched, x, probs, fc1, fc2, sfc1, sfc2, out=staged, path="staged")
+        mega = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=dev)
+        mega, _ = kp.forward(cfg, ws, sched, x, probs, fc1, fc2, sfc1, sfc2, out=mega, path="mega")
+        torch.cuda.synchronize()
+        assert torch.equal(staged.view(torch.int16), first.view(torch.int16)), "staged path differs from mega"
+        assert torch.equal(mega.view(torch.int16), first.view(torch.int16)), "mega path not repeatable"
         ws.check_errors(blocking=True)
 
     for kind, shape in [
@@ -97,6 +105,27 @@ def _suite(rank: int, world: int) -> list[str]:
             ws.check_errors(blocking=True)
 
     check("bitwise_20_repeats_and_knobs", bitwise_20_and_knobs)
+
+    def mega_vs_staged_comm_sms_minibatch():
+        T, H, I, Is, E, k = 1024, 512, 256, 256, 16, 4
+        gen = torch.Generator().manual_seed(31 + rank)
+        x, probs, fc1, fc2, sfc1, sfc2 = make_inputs(T, H, I, Is, E // world, k, gen, dev)
+        top = make_routing("skewed", T, k, E, gen).to(dev)
+        ws = create_workspace(None, dev, T, H, k, E, MoKConfig())  # the knobs below do not touch it
+        sched = kp.build_schedule(MoKConfig(), ws, top)
+        base, _ = kp.forward(MoKConfig(), ws, sched, x, probs, fc1, fc2, sfc1, sfc2, path="staged")
+        base = base.clone()
+        for comm in (2, 8, 24, 40):
+            for mb in (128, 256, 1024, 4096):
+                cfg = MoKConfig(fwd_comm_sms=comm, minibatch_rows=mb, macrobatch_rows=max(mb, 4096))
+                poison_internal(ws)
+                out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=dev)
+                out, ctx = kp.forward(cfg, ws, sched, x, probs, fc1, fc2, sfc1, sfc2, out=out, path="mega")
+                torch.cuda.synchronize()
+                assert torch.equal(out.view(torch.int16), base.view(torch.int16)), f"bits differ: comm {comm} mb {mb}"
+                ws.check_errors(blocking=True)
+
+    check("mega_equals_staged_over_comm_sms_and_minibatch", mega_vs_staged_comm_sms_minibatch)
 
     def cuda_graph():
         T, H, I, Is, E, k = 384, 256, 128, 128, 8, 2

@@ -1,0 +1,433 @@
+// The persistent forward megakernel (stage 4): one launch per layer forward between the opening
+// barrier (publish_barrier: x copied into the symmetric buffer) and the epilogue (which closes the
+// barrier this kernel opens at its end).
+//
+// Every CTA is a GEMM CTA of grouped_gemm.cuh (1 producer thread + 2 consumer warpgroups, 4-stage
+// TMA ring). The first `num_comm` CTAs to start first pull-dispatch routed rows with all 384
+// threads, then join the GEMM work. GEMM work is a fixed linear task list, identical on every rank:
+//
+//   [shared gate/up tiles][shared down tiles]
+//   then per minibatch b (routed m-tiles [b * mb, (b + 1) * mb)): [gate/up tiles][down tiles]
+//
+// A producer claims tasks in increasing order from a global ticket; a task waits only on earlier
+// tasks (or on the dispatch, which waits on nothing), so the persistent scheduler cannot deadlock,
+// whatever the grid size. Dependencies are local counters (ld.acquire.gpu / red.release.gpu):
+//   ready[m]     dispatch units (8 rows, one warp) of routed m-tile m written      (target 16)
+//   up_done[m]   routed gate/up tile halves of m-tile m written (act rows)        (target 2 n1)
+//   sup_done[m]  shared gate/up tile halves of m-tile m written (shared_act rows) (target 2 n1s)
+// (each consumer warpgroup arrives for its 64 rows of a tile).
+// The down-GEMM epilogue pushes each finished 128 x 256 tile of y, row by row (512-byte
+// contiguous stores), into slot row_src_slot of the source rank's symmetric combine buffer.
+//
+// Bits: every output tile is still computed by exactly one CTA with the K order and epilogue of
+// the staged grouped GEMM, and the dispatch and combine copy values unchanged, so the results do
+// not depend on num_comm, the grid size or minibatch_rows (tested bitwise against the staged path).
+//
+// Counters live in a per-workspace int32 buffer that the last CTA to finish zeroes again, so a
+// CUDA graph replays it. Every wait has a watchdog (%globaltimer): a stall sets
+// errors[kErrPeerTimeout] = 1 + rank and an abort flag, and the kernel ends instead of hanging.
+#include <stdlib.h>
+
+#include "barrier.cuh"
+#include "grouped_gemm.cuh"
+
+namespace mok {
+namespace {
+
+using gemm::BM;
+using gemm::BN;
+using gemm::kStages;
+using gemm::kThreads;
+
+constexpr int kWarps = kThreads / 32;           // 12
+constexpr int kUnitRows = 8;                    // rows a dispatching warp copies before it signals
+constexpr int kUnitsPerTile = BM / kUnitRows;   // 16
+constexpr int kCopyUnroll = 8;                  // 16-byte loads in flight per lane
+constexpr int kPushRows = BM / 2 / 4;           // y rows each consumer warp pushes per down tile
+
+// Counter buffer: header, then ready[max_mtiles], up_done[max_mtiles], sup_done[shared_mtiles].
+enum Counter : int { kTicket = 0, kRole = 1, kExit = 2, kAbort = 3, kHeader = 4 };
+enum Kind : int { kSharedUp = 0, kSharedDown = 1, kRoutedUp = 2, kRoutedDown = 3 };
+
+struct TMaps {
+  CUtensorMap a[4];  // by Kind
+  CUtensorMap b[4];
+};
+
+struct Params {
+  gemm::Params g[4];  // by Kind
+  int shared_mtiles;  // 0: no shared expert
+  int mb_mtiles;      // routed m-tiles per minibatch
+  int num_comm;
+  int max_mtiles;     // capacity / BM
+  int n_counters;
+  int capacity, nle, H, k, rank;
+  const int* row_src_rank;
+  const int* row_src_slot;
+  const int* expert_offsets;
+  __nv_bfloat16* x_routed;
+  int* counters;
+  int* state;
+  int* errors;
+  int ep;
+  uint64_t timeout_ns;
+  PeerPtrs x_bufs;
+  PeerPtrs comb_bufs;
+  PeerPtrs flags;
+};
+
+struct Task {
+  int kind, m, n;
+};
+
+__device__ __forceinline__ int* ready_ctr(const Params& p, int m) { return p.counters + kHeader + m; }
+__device__ __forceinline__ int* up_done_ctr(const Params& p, int m) { return p.counters + kHeader + p.max_mtiles + m; }
+__device__ __forceinline__ int* sup_done_ctr(const Params& p, int m) {
+  return p.counters + kHeader + 2 * p.max_mtiles + m;
+}
+
+__device__ __forceinline__ Watchdog watchdog(const Params& p) {
+  return Watchdog{p.counters + kAbort, p.errors, p.timeout_ns, 1 + p.rank};
+}
+
+// Routed rows that exist this launch (device value; a multiple of BM).
+__device__ __forceinline__ int routed_rows(const Params& p) { return min(p.expert_offsets[p.nle], p.capacity); }
+
+__device__ __forceinline__ int num_tasks(const Params& p, int mr) {
+  return p.shared_mtiles * (p.g[kSharedUp].n_tiles + p.g[kSharedDown].n_tiles) +
+         mr * (p.g[kRoutedUp].n_tiles + p.g[kRoutedDown].n_tiles);
+}
+
+// Task t (< num_tasks) of the list in the header comment.
+__device__ __forceinline__ Task decode(const Params& p, int t, int mr) {
+  const int n1s = p.g[kSharedUp].n_tiles, n2s = p.g[kSharedDown].n_tiles;
+  const int s1 = p.shared_mtiles * n1s, s2 = p.shared_mtiles * n2s;
+  if (t < s1) return Task{kSharedUp, t / n1s, t % n1s};
+  t -= s1;
+  if (t < s2) return Task{kSharedDown, t / n2s, t % n2s};
+  t -= s2;
+  const int n1 = p.g[kRoutedUp].n_tiles, n2 = p.g[kRoutedDown].n_tiles;
+  const int per_mb = p.mb_mtiles * (n1 + n2);
+  const int b = t / per_mb;
+  int r = t - b * per_mb;
+  const int m0 = b * p.mb_mtiles;
+  const int cnt = min(p.mb_mtiles, mr - m0);
+  if (r < cnt * n1) return Task{kRoutedUp, m0 + r / n1, r % n1};
+  r -= cnt * n1;
+  return Task{kRoutedDown, m0 + r / n2, r % n2};
+}
+
+// Spin until *ctr >= target (acquire), then order the async proxy (TMA) behind it.
+__device__ __forceinline__ void wait_counter(const int* ctr, int target, const Watchdog& w) {
+  if (ld_acquire_gpu(ctr) < target) {
+    const uint64_t t0 = globaltimer_ns();
+    uint32_t spins = 0;
+    while (ld_acquire_gpu(ctr) < target)
+      if (watchdog_expired(w, t0, spins)) break;
+  }
+  fence_proxy_async_global();
+}
+
+// ---- comm role: pull-dispatch -------------------------------------------------------------------
+
+__device__ __forceinline__ void copy_row(uint4* __restrict__ dst, const uint4* __restrict__ src, int n16, int lane) {
+  int c = lane;
+  for (; c + 32 * (kCopyUnroll - 1) < n16; c += 32 * kCopyUnroll) {
+    uint4 v[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) v[u] = ld16(src + c + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) st16(dst + c + 32 * u, v[u]);
+  }
+  for (; c < n16; c += 32) st16(dst + c, ld16(src + c));
+}
+
+// Warp-granular units of kUnitRows rows, in increasing order over all dispatching warps, so the
+// first m-tiles become ready first. Padding rows (src < 0) are zero-filled, as in dispatch.cu.
+__device__ void dispatch_rows(const Params& p, int role) {
+  const int rows = routed_rows(p);
+  const int units = rows / kUnitRows;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int n16 = p.H / 8;
+  for (int u = role * kWarps + warp; u < units; u += p.num_comm * kWarps) {
+    const int row0 = u * kUnitRows;
+    int my_src = -1, my_tok = 0;
+    if (lane < kUnitRows) {
+      my_src = p.row_src_rank[row0 + lane];
+      if (my_src >= 0) my_tok = p.row_src_slot[row0 + lane] / p.k;
+    }
+    for (int i = 0; i < kUnitRows; ++i) {
+      const int src = __shfl_sync(0xffffffffu, my_src, i);
+      const int tok = __shfl_sync(0xffffffffu, my_tok, i);
+      uint4* dst = reinterpret_cast<uint4*>(p.x_routed + static_cast<int64_t>(row0 + i) * p.H);
+      if (src < 0) {
+        for (int c = lane; c < n16; c += 32) st16(dst + c, make_uint4(0, 0, 0, 0));
+      } else {
+        const uint4* s =
+            reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.x_bufs.p[src]) + static_cast<int64_t>(tok) * p.H);
+        copy_row(dst, s, n16, lane);
+      }
+    }
+    // TMA (async proxy) of other CTAs reads these rows once the counter says so.
+    fence_proxy_async_global();
+    __threadfence();
+    __syncwarp();
+    if (lane == 0) red_release_gpu_add(ready_ctr(p, u / kUnitsPerTile), 1);
+  }
+}
+
+// ---- GEMM roles -----------------------------------------------------------------------------------
+
+__device__ void producer(const Params& p, const TMaps& tm, const gemm::Smem& sm, volatile int* stage_task) {
+  const Watchdog w = watchdog(p);
+  const int mr = routed_rows(p) / BM;
+  const int total = num_tasks(p, mr);
+  uint32_t it = 0;
+  for (;;) {
+    if (ld_volatile(w.abort) != 0) break;  // watchdog exit somewhere: stop claiming
+    const int t = atomicAdd(p.counters + kTicket, 1);
+    if (t >= total) break;
+    const Task tk = decode(p, t, mr);
+    // gate/up tiles arrive once per consumer warpgroup
+    if (tk.kind == kSharedDown) {
+      wait_counter(sup_done_ctr(p, tk.m), 2 * p.g[kSharedUp].n_tiles, w);
+    } else if (tk.kind == kRoutedUp) {
+      wait_counter(ready_ctr(p, tk.m), kUnitsPerTile, w);
+    } else if (tk.kind == kRoutedDown) {
+      wait_counter(up_done_ctr(p, tk.m), 2 * p.g[kRoutedUp].n_tiles, w);
+    }
+    const gemm::Params& g = p.g[tk.kind];
+    const int tile = tk.m * g.n_tiles + tk.n;
+    if (tk.kind == kSharedUp || tk.kind == kRoutedUp)
+      gemm::produce_tile<true, true>(g, &tm.a[tk.kind], &tm.b[tk.kind], sm, tile, it, &w, stage_task, t);
+    else
+      gemm::produce_tile<false, true>(g, &tm.a[tk.kind], &tm.b[tk.kind], sm, tile, it, &w, stage_task, t);
+  }
+  // Sentinel: the consumers stop at a stage tagged -1 (armed without bytes).
+  const int s = it % kStages;
+  gemm::ring_wait<true>(&sm.empty[s], ((it / kStages) & 1) ^ 1, &w);
+  stage_task[s] = -1;
+  mbar_arrive(&sm.full[s]);
+}
+
+// Push the rows of consumer warpgroup cw of down tile (m, n): rows [m * BM + 64 cw, + 64) x
+// columns [n * BN, n * BN + BN) of y into the source ranks' combine slots. Each warp takes 16 rows,
+// one 512-byte row segment per warp instruction (loads first, then the peer stores).
+__device__ __forceinline__ void push_rows(const Params& p, int m, int n, int cw, int row_limit) {
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int c0 = n * BN;
+  const int n16 = min(BN, p.H - c0) / 8;
+  const int r0 = m * BM + cw * (BM / 2) + warp * kPushRows;
+  int my_src = -1, my_slot = 0;
+  if (lane < kPushRows && r0 + lane < row_limit) {
+    my_src = p.row_src_rank[r0 + lane];
+    my_slot = p.row_src_slot[r0 + lane];
+  }
+  const __nv_bfloat16* y = p.g[kRoutedDown].out;
+  uint4 v[kPushRows];
+#pragma unroll
+  for (int i = 0; i < kPushRows; ++i) {
+    const int src = __shfl_sync(0xffffffffu, my_src, i);
+    if (src >= 0 && lane < n16)
+      v[i] = __ldcg(reinterpret_cast<const uint4*>(y + static_cast<int64_t>(r0 + i) * p.H + c0) + lane);
+  }
+#pragma unroll
+  for (int i = 0; i < kPushRows; ++i) {
+    const int src = __shfl_sync(0xffffffffu, my_src, i);
+    const int slot = __shfl_sync(0xffffffffu, my_slot, i);
+    if (src >= 0 && lane < n16)
+      st16(static_cast<__nv_bfloat16*>(p.comb_bufs.p[src]) + static_cast<int64_t>(slot) * p.H + c0 + lane * 8, v[i]);
+  }
+}
+
+// One consumer warpgroup. The two warpgroups of a CTA never wait for each other (separate named
+// barriers, separate counter arrivals, separate exit), so a watchdog exit of one cannot strand the
+// other; inside a warpgroup every barrier is reached by all 128 threads in the same order.
+__device__ void consumer(const Params& p, const gemm::Smem& sm, const volatile int* stage_task, int cw,
+                         volatile int* s_misc) {
+  const Watchdog w = watchdog(p);
+  const int bar = 2 + cw;
+  const bool leader = threadIdx.x % 128 == 0;
+  const int mr = routed_rows(p) / BM;
+  float acc[128];
+  uint32_t it = 0;
+  for (;;) {
+    const int s = it % kStages;
+    const bool ok = gemm::ring_wait<true>(&sm.full[s], (it / kStages) & 1, &w);
+    if (warpgroup_bar_or(bar, !ok || ld_volatile(w.abort) != 0)) break;  // watchdog: stop (uniformly)
+    const int t = stage_task[s];
+    if (t < 0) break;
+    const Task tk = decode(p, t, mr);
+    const gemm::Params& g = p.g[tk.kind];
+    const int tile = tk.m * g.n_tiles + tk.n;
+    const bool active = gemm::half_active(g, tile, cw);
+    gemm::mma_tile<true>(g, sm, cw, acc, it, active, &w);
+    const int row_limit = gemm::rows_total(g);
+    if (tk.kind == kSharedUp || tk.kind == kRoutedUp) {
+      gemm::store_tile<true>(g, tile, cw, acc, row_limit, active);
+      // The down tiles of this m-tile read these rows through TMA in other CTAs.
+      fence_proxy_async_global();
+      __threadfence();
+      warpgroup_bar_sync(bar);
+      if (leader) red_release_gpu_add(tk.kind == kRoutedUp ? up_done_ctr(p, tk.m) : sup_done_ctr(p, tk.m), 1);
+    } else {
+      gemm::store_tile<false>(g, tile, cw, acc, row_limit, active);
+      if (tk.kind == kRoutedDown) {
+        warpgroup_bar_sync(bar);  // the warpgroup's 64 rows of y are written
+        push_rows(p, tk.m, tk.n, cw, row_limit);
+      }
+    }
+  }
+
+  // Exit (one party per warpgroup): the last party zeroes the counters and opens the closing
+  // barrier. The producer's last ticket claim precedes its sentinel; after a watchdog exit wait
+  // (bounded) until the producer is done too, so nothing touches the counters after the reset.
+  __threadfence_system();  // this thread's pushes into the peers' slots
+  {
+    const uint64_t t0 = globaltimer_ns();
+    while (s_misc[1] == 0 && globaltimer_ns() - t0 < p.timeout_ns) {
+    }
+  }
+  warpgroup_bar_sync(bar);
+  if (leader) s_misc[2 + cw] = atomicAdd(p.counters + kExit, 1) == 2 * static_cast<int>(gridDim.x) - 1;
+  warpgroup_bar_sync(bar);
+  if (s_misc[2 + cw] == 0) return;
+  __threadfence();
+  for (int i = threadIdx.x % 128; i < p.n_counters; i += 128) p.counters[i] = 0;
+  if (leader) {
+    const int epoch = barrier_next_epoch(p.state, 0);
+    barrier_arrive(p.flags, p.rank, p.ep, epoch, 0, 1);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    megakernel(const __grid_constant__ TMaps tm, const __grid_constant__ Params p) {
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const gemm::Smem sm = gemm::carve_smem(smem_raw);
+  volatile int* stage_task = reinterpret_cast<volatile int*>(sm.empty + kStages);  // [kStages]
+  volatile int* s_misc = stage_task + kStages;  // [0] role, [1] producer done, [2 + cw] last party
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&sm.full[s], 1);
+      mbar_init(&sm.empty[s], 256);
+    }
+    mbar_fence_init();
+    s_misc[0] = atomicAdd(p.counters + kRole, 1);
+    s_misc[1] = 0;
+  }
+  __syncthreads();
+  // The first CTAs to start dispatch: they are running, so the GEMM tasks that wait on them cannot
+  // starve them of SMs (also when the grid is larger than the GPU).
+  const int role = s_misc[0];
+  if (role < p.num_comm) dispatch_rows(p, role);
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    setmaxnreg_dec<40>();
+    if (threadIdx.x == 0) {
+      for (int i = p.shared_mtiles > 0 ? 0 : kRoutedUp; i < 4; ++i) {  // shared maps only if used
+        tma_prefetch_desc(&tm.a[i]);
+        tma_prefetch_desc(&tm.b[i]);
+      }
+      producer(p, tm, sm, stage_task);
+      s_misc[1] = 1;
+    }
+  } else {
+    setmaxnreg_inc<232>();
+    consumer(p, sm, stage_task, wg - 1, s_misc);
+  }
+}
+
+constexpr int kMegaSmemBytes = gemm::kSmemBytes + 64;  // + stage tags and flags
+
+inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+gemm::Params gemm_params(const int* seg_offsets, const int* seg_counts, int nseg, int skip_padding, int a_rows, int K,
+                         int N, int b_rows_per_seg, bool swiglu, void* out) {
+  gemm::Params g{};
+  g.seg_offsets = seg_offsets;
+  g.seg_counts = seg_counts;
+  g.nseg = nseg;
+  g.skip_padding = skip_padding;
+  g.a_rows = a_rows;
+  g.K = K;
+  g.N = N;
+  g.b_rows_per_seg = b_rows_per_seg;
+  g.n_tiles = ceil_div(N, swiglu ? BN / 2 : BN);
+  g.out = static_cast<__nv_bfloat16*>(out);
+  return g;
+}
+
+}  // namespace
+
+int64_t megakernel_counter_ints(int capacity, int T) {
+  return kHeader + 2 * static_cast<int64_t>(capacity / BM) + ceil_div(T, BM);
+}
+
+const char* launch_megakernel(const MegaArgs& a, cudaStream_t stream) {
+  // MOK_GEMM_SKIP_PAD=0 computes padding rows too (same bits), as for the staged GEMMs.
+  static const int skip_padding = [] {
+    const char* v = getenv("MOK_GEMM_SKIP_PAD");
+    return (v != nullptr && v[0] == '0') ? 0 : 1;
+  }();
+  static bool configured = false;
+  if (!configured) {
+    if (cudaFuncSetAttribute(megakernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMegaSmemBytes) != cudaSuccess)
+      return "mok megakernel: cannot raise the shared-memory limit";
+    configured = true;
+  }
+  const bool shared = a.shared_fc1 != nullptr;
+  if (a.T <= 0 || a.H <= 0 || a.I <= 0 || (shared && a.Is <= 0)) return "mok megakernel: empty shapes";
+  if (a.H % 8 || a.I % 8 || (shared && a.Is % 8)) return "mok megakernel: H, I and Is must be multiples of 8";
+  if (a.capacity % BM || a.minibatch_rows <= 0 || a.minibatch_rows % BM)
+    return "mok megakernel: capacity and minibatch_rows must be multiples of 128";
+  if (a.ep < 1 || a.ep > kMaxPeers || a.rank < 0 || a.rank >= a.ep) return "mok megakernel: bad rank / EP size";
+  if (a.num_comm < 1) return "mok megakernel: needs at least one dispatching CTA";
+
+  TMaps tm;
+  memset(&tm, 0, sizeof(tm));
+  Params p;
+  memset(&p, 0, sizeof(p));
+  const int T = a.T, H = a.H, I = a.I, Is = a.Is, cap = a.capacity;
+  if (shared) {
+    if (const char* m = make_tmap_bf16_2d(&tm.a[kSharedUp], a.x, T, H, H, BM)) return m;
+    if (const char* m = make_tmap_bf16_2d(&tm.b[kSharedUp], a.shared_fc1, 2 * (uint64_t)Is, H, H, BN / 2)) return m;
+    if (const char* m = make_tmap_bf16_2d(&tm.a[kSharedDown], a.shared_act, T, Is, Is, BM)) return m;
+    if (const char* m = make_tmap_bf16_2d(&tm.b[kSharedDown], a.shared_fc2, H, Is, Is, BN / 2)) return m;
+    p.g[kSharedUp] = gemm_params(nullptr, nullptr, 1, skip_padding, T, H, Is, 2 * Is, true, a.shared_act);
+    p.g[kSharedDown] = gemm_params(nullptr, nullptr, 1, skip_padding, T, Is, H, H, false, a.shared_y);
+    p.shared_mtiles = ceil_div(T, BM);
+  }
+  if (const char* m = make_tmap_bf16_2d(&tm.a[kRoutedUp], a.x_routed, cap, H, H, BM)) return m;
+  if (const char* m = make_tmap_bf16_2d(&tm.b[kRoutedUp], a.fc1, (uint64_t)a.nle * 2 * I, H, H, BN / 2)) return m;
+  if (const char* m = make_tmap_bf16_2d(&tm.a[kRoutedDown], a.act, cap, I, I, BM)) return m;
+  if (const char* m = make_tmap_bf16_2d(&tm.b[kRoutedDown], a.fc2, (uint64_t)a.nle * H, I, I, BN / 2)) return m;
+  p.g[kRoutedUp] = gemm_params(a.expert_offsets, a.expert_counts, a.nle, skip_padding, cap, H, I, 2 * I, true, a.act);
+  p.g[kRoutedDown] = gemm_params(a.expert_offsets, a.expert_counts, a.nle, skip_padding, cap, I, H, H, false,
+                                 a.y_routed);
+  p.mb_mtiles = a.minibatch_rows / BM;
+  p.num_comm = a.num_comm;
+  p.max_mtiles = cap / BM;
+  p.n_counters = static_cast<int>(megakernel_counter_ints(cap, T));
+  p.capacity = cap;
+  p.nle = a.nle;
+  p.H = H;
+  p.k = a.k;
+  p.rank = a.rank;
+  p.ep = a.ep;
+  p.row_src_rank = a.row_src_rank;
+  p.row_src_slot = a.row_src_slot;
+  p.expert_offsets = a.expert_offsets;
+  p.x_routed = static_cast<__nv_bfloat16*>(a.x_routed);
+  p.counters = a.counters;
+  p.state = a.state;
+  p.errors = a.errors;
+  p.timeout_ns = a.timeout_ns;
+  p.x_bufs = a.x_bufs;
+  p.comb_bufs = a.comb_bufs;
+  p.flags = a.flags;
+  const int compute = a.num_compute > 0 ? a.num_compute : std::max(1, num_sms() - a.num_comm);
+  megakernel<<<a.num_comm + compute, kThreads, kMegaSmemBytes, stream>>>(tm, p);
+  return launch_status();
+}
+
+}  // namespace mok
