@@ -22,6 +22,8 @@ def load(paths):
     for p in paths:
         with open(p) as f:
             d = json.load(f)
+        if "gpu" not in d:  # not a layer benchmark (e.g. an end-to-end comparison from compare_backends.py)
+            continue
         d["_file"] = os.path.relpath(p, ROOT)
         docs.append(d)
     return docs
