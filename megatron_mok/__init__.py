@@ -10,6 +10,7 @@ from .schedule import MoKSchedule
 from .workspace import (
     MoKCapacityError,
     MoKInputError,
+    MoKKernelStallError,
     MoKPeerTimeoutError,
     MoKWorkspace,
     clear_workspace_cache,
@@ -21,7 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ROW_ALIGN", "MoKCapacityError", "MoKConfig", "MoKConfigError", "MoKGrads", "MoKInputError",
-    "MoKPeerTimeoutError", "MoKSchedule", "MoKWorkspace", "backward", "build_schedule",
+    "MoKKernelStallError", "MoKPeerTimeoutError", "MoKSchedule", "MoKWorkspace", "backward", "build_schedule",
     "clear_workspace_cache", "create_workspace", "forward", "get_workspace", "mok_moe",
     "recompute_forward_context",
 ]

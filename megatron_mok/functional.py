@@ -25,7 +25,9 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  #
 class MoKGrads:
     dx: torch.Tensor  # [T, H], dtype of x
     dprobs: torch.Tensor  # [T, k] fp32
-    dfc1: torch.Tensor | None  # fp32; None when accumulated into main_grads
+    # Weight gradients: fp32 on the reference path, bf16 on the CUDA path (fp32 accumulation inside
+    # each GEMM, one rounding); None when accumulated into main_grads.
+    dfc1: torch.Tensor | None
     dfc2: torch.Tensor | None
     dshared_fc1: torch.Tensor | None
     dshared_fc2: torch.Tensor | None

@@ -280,3 +280,149 @@ def recompute_forward_context(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedu
     # Peers may still read this rank's x buffer: no rank rewrites its buffer before all are done.
     ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
     return ctx
+
+
+# ---- backward (stage 1) ---------------------------------------------------------------------------
+
+BACKWARD_PATHS = ("cuda", "reference")
+# Default backward; MOK_BACKWARD=reference runs the fp32 pure-PyTorch reference on CUDA too.
+BACKWARD_PATH = os.environ.get("MOK_BACKWARD", "cuda")
+
+
+def _backward_unsupported_reason(ws: MoKWorkspace, x, fc1, shared_fc1) -> str | None:
+    reason = _unsupported_reason(ws, x, fc1, shared_fc1)
+    if reason is not None:
+        return reason
+    if not hasattr(torch, "_grouped_mm"):
+        return "torch._grouped_mm is missing (torch >= 2.8 needed by the CUDA backward)"
+    if ws.num_local_experts >= 1024:
+        return "more than 1023 local experts (torch._grouped_mm groups)"
+    return None
+
+
+def _reference_backward(ws, sched, ctx, grad_out, x, probs, fc1, fc2, shared_fc1, shared_fc2, main_grads):
+    from .functional import MoKGrads
+
+    if not isinstance(ctx, reference.ReferenceContext):
+        ctx = reference.recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1)
+    dx, dprobs, *wgrads = reference.backward(ws, sched, ctx, grad_out, x, probs, fc1, fc2, shared_fc1, shared_fc2)
+    return MoKGrads(dx.to(x.dtype), dprobs, *_accumulate(wgrads, main_grads))
+
+
+def _accumulate(wgrads: list, main_grads) -> list:
+    """Add the weight gradients into the given fp32 ``main_grads`` entries; those fields become None."""
+    if main_grads is not None:
+        for i, main in enumerate(main_grads):
+            if main is not None and wgrads[i] is not None:
+                main.add_(wgrads[i])
+                wgrads[i] = None
+    return wgrads
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out, x, probs, fc1, fc2,
+             shared_fc1=None, shared_fc2=None, main_grads=None, *, comm_ctas: int = 0, path: str | None = None):
+    """Gradients of one layer on the device (stage 1). Returns ``functional.MoKGrads``.
+
+    No host sync and no data-dependent shapes (CUDA-graph capturable once the workspace's buffers
+    exist). Per rank, on the current stream:
+
+    1. ``bwd_publish``: grad_out and probs into this rank's symmetric buffers, device barrier;
+    2. ``bwd_pull``: every routed row pulls its grad_out row and router weight from the source rank,
+       ``dy = w * g`` (bf16), and pushes ``<g, y_routed>`` (the router-weight gradient, fp32, fixed
+       order) into the source's symmetric ``[T * k]`` buffer;
+    3. routed experts: ``h = x_routed @ fc1[e]^T`` (our grouped GEMM, the forward's K order),
+       ``da = dy @ fc2[e]``, ``dh = swiglu_backward(h, da)``, ``dfc2[e] = dy^T @ act``,
+       ``dfc1[e] = dh^T @ x_routed``, ``dx_rows = dh @ fc1[e]`` (``torch._grouped_mm`` with the device
+       offsets ``expert_offsets[1:]``: groups stop at the last real segment; padding rows are zero
+       so they add nothing); experts without rows get exact zeros (``zero_empty_segments``);
+    4. ``bwd_push``: dx rows into the source ranks' symmetric ``[T * k, H]`` slots, opening a barrier;
+    5. shared expert (cuBLAS, bf16 in, fp32 accumulate) while peers finish pushing;
+    6. ``bwd_epilogue_wait``: closes the barrier, ``dx[t] = sum_s slot[t, s]`` in slot order in fp32
+       ``+`` shared dx, cast once; ``dprobs`` copied out of the symmetric buffer.
+
+    Weight gradients come back in bf16 (fp32 accumulation inside each GEMM, one rounding; autograd
+    casts them to the weights' dtype anyway); with ``main_grads`` they are added into those fp32
+    tensors and the matching fields are None. ``ctx``: the forward's ``KernelContext`` (None:
+    recomputed here; a ``ReferenceContext``: the reference backward runs). ``comm_ctas``: CTAs of
+    the pull and push kernels (0: 4 per SM); it changes no bit. ``path`` (default ``MOK_BACKWARD``):
+    ``"cuda"`` or ``"reference"``.
+    """
+    from .functional import MoKGrads
+
+    path = path or BACKWARD_PATH
+    if path not in BACKWARD_PATHS:
+        raise ValueError(f"megatron_mok: backward path must be one of {BACKWARD_PATHS}, got {path!r}")
+    reason = _backward_unsupported_reason(ws, x, fc1, shared_fc1)
+    if reason is not None:
+        _fallback(reason)
+    if reason is not None or path == "reference" or isinstance(ctx, reference.ReferenceContext):
+        return _reference_backward(ws, sched, ctx, grad_out, x, probs, fc1, fc2, shared_fc1, shared_fc2, main_grads)
+    if ctx is None:
+        ctx = recompute_forward_context(cfg, ws, sched, x, fc1, fc2, shared_fc1)
+
+    c = _comm(ws)
+    T, H, k, nle, cap = ws.num_tokens, ws.hidden, ws.topk, ws.num_local_experts, sched.capacity
+    I = fc1.shape[1] // 2
+    bf16 = dict(dtype=torch.bfloat16, device=ws.device)
+    fc1, fc2 = fc1.contiguous(), fc2.contiguous()
+    g = _aligned(grad_out)
+    x = _aligned(x)
+
+    # 1. publish grad_out and probs, barrier
+    gbuf, g_ptrs = c.buffer("bwd_grad", (T, H), torch.bfloat16)
+    pbuf, p_ptrs = c.buffer("bwd_probs", (T, k), torch.float32)
+    slots, slot_ptrs = c.buffer("bwd_dx_slots", (T * k, H), torch.bfloat16)
+    dwbuf, dw_ptrs = c.buffer("bwd_dprobs_slots", (T * k,), torch.float32)
+    ops.bwd_publish(g, gbuf, probs.contiguous(), pbuf, c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
+
+    # 2. pull dy = w * g; router-weight gradient pushed to its source slot
+    dy = torch.empty((cap, H), **bf16)
+    ops.bwd_pull(sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, ctx.y_routed, dy, g_ptrs, p_ptrs,
+                 dw_ptrs, k, comm_ctas)
+
+    # 3. routed experts
+    offs = sched.expert_offsets[1:]  # group ends (device); groups stop at the last real segment
+    h = torch.empty((cap, 2 * I), **bf16)
+    ops.grouped_gemm(ctx.x_routed, fc1, sched.expert_offsets, h, False, 0, sched.expert_counts)
+    da = torch._grouped_mm(dy, fc2, offs=offs)  # [cap, I]
+    dh = torch.empty((cap, 2 * I), **bf16)
+    ops.swiglu_backward(h, da, dh, sched.expert_offsets)
+    del h, da
+    dfc2 = torch._grouped_mm(dy.t(), ctx.act, offs=offs)  # [nle, H, I]
+    dfc1 = torch._grouped_mm(dh.t(), ctx.x_routed, offs=offs)  # [nle, 2I, H]
+    ops.zero_empty_segments(dfc2, sched.expert_counts)
+    ops.zero_empty_segments(dfc1, sched.expert_counts)
+    dx_rows = torch._grouped_mm(dh, fc1, offs=offs)  # [cap, H]
+    del dh, dy
+
+    # 4. push dx rows into the source ranks' slots; opens the closing barrier
+    ops.bwd_push(dx_rows, sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, c.state, slot_ptrs,
+                 c.flag_ptrs, ws.rank, comm_ctas)
+
+    # 5. shared expert (overlaps the peers' pushes)
+    dsfc1 = dsfc2 = shared_dx = None
+    if shared_fc1 is not None:
+        shared_fc1, shared_fc2 = shared_fc1.contiguous(), shared_fc2.contiguous()
+        Is = shared_fc1.shape[0] // 2
+        hs = torch.empty((T, 2 * Is), **bf16)
+        ops.grouped_gemm(x, shared_fc1, None, hs, False, 0)
+        das = g @ shared_fc2  # [T, Is]
+        dhs = torch.empty((T, 2 * Is), **bf16)
+        ops.swiglu_backward(hs, das, dhs, None)
+        del hs, das
+        dsfc2 = g.t() @ ctx.shared_act  # [H, Is]
+        dsfc1 = dhs.t() @ x  # [2Is, H]
+        shared_dx = dhs @ shared_fc1  # [T, H]
+
+    # 6. close the barrier; fixed-order slot sum + shared dx; dprobs out of the symmetric buffer
+    dx = torch.empty((T, H), **bf16)
+    dprobs = torch.empty((T, k), dtype=torch.float32, device=ws.device)
+    ops.bwd_epilogue_wait(slots, dwbuf, shared_dx, dx, dprobs, c.state, ws.errors, c.flag_ptrs, ws.rank,
+                          cfg.peer_timeout_s)
+    wgrads = _accumulate([dfc1, dfc2, dsfc1, dsfc2], main_grads)
+    return MoKGrads(dx.to(x.dtype), dprobs, *wgrads)

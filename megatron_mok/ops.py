@@ -55,7 +55,8 @@ def _register_fakes() -> None:
         return None
 
     for name in ("gather_routing", "barrier", "publish_barrier", "build_schedule", "dispatch", "grouped_gemm",
-                 "combine", "moe_epilogue", "moe_epilogue_wait", "megakernel"):
+                 "combine", "moe_epilogue", "moe_epilogue_wait", "megakernel", "bwd_publish", "bwd_pull",
+                 "swiglu_backward", "zero_empty_segments", "bwd_push", "bwd_epilogue_wait"):
         torch.library.register_fake(f"megatron_mok::{name}")(_noop)
 
 
@@ -138,3 +139,47 @@ def megakernel(x, fc1, fc2, shared_fc1, shared_fc2, row_src_rank, row_src_slot, 
     _ops().megakernel(x, fc1, fc2, shared_fc1, shared_fc2, row_src_rank, row_src_slot, expert_counts, expert_offsets,
                       x_routed, act, y_routed, shared_act, shared_y, counters, state, errors, peer_x, peer_comb,
                       peer_flags, rank, topk, num_comm, num_compute, minibatch_rows, float(timeout_s))
+
+
+# ---- stage-1 backward (csrc/kernels/backward.cu) ---------------------------------------------------
+
+
+def bwd_publish(grad_out, g_dst, probs, p_dst, state, errors, peer_flags: list[int], rank: int,
+                timeout_s: float) -> None:
+    """``g_dst`` <- ``grad_out`` (bf16 [T, H]) and ``p_dst`` <- ``probs`` (fp32 [T, k]): this rank's
+    symmetric buffers; then a device barrier (one launch)."""
+    _ops().bwd_publish(grad_out, g_dst, probs, p_dst, state, errors, peer_flags, rank, float(timeout_s))
+
+
+def bwd_pull(row_src_rank, row_src_slot, expert_offsets, y_routed, dy, peer_g: list[int], peer_p: list[int],
+             peer_dw: list[int], topk: int, num_ctas: int = 0) -> None:
+    """Routed row i: ``dy[i] = bf16(w * g)`` from the source rank's grad_out row and router weight;
+    ``<g, y_routed[i]>`` (fp32, fixed order) -> slot ``row_src_slot[i]`` of the source's ``peer_dw``."""
+    _ops().bwd_pull(row_src_rank, row_src_slot, expert_offsets, y_routed, dy, peer_g, peer_p, peer_dw, topk,
+                    num_ctas)
+
+
+def swiglu_backward(h, da, dh, seg_offsets=None) -> None:
+    """``dh = [d_gate | d_up]`` from ``h = [gate | up]`` and ``da``; with ``seg_offsets`` only rows
+    below ``seg_offsets[-1]`` (device value) are computed."""
+    _ops().swiglu_backward(h, da, dh, seg_offsets)
+
+
+def zero_empty_segments(t, seg_counts) -> None:
+    """``t[e] = 0`` for every ``e`` with ``seg_counts[e] == 0`` (exact zeros, device-side test)."""
+    _ops().zero_empty_segments(t, seg_counts)
+
+
+def bwd_push(rows, row_src_rank, row_src_slot, expert_offsets, state, peer_slots: list[int],
+             peer_flags: list[int], rank: int, num_ctas: int = 0) -> None:
+    """Routed row i -> slot ``row_src_slot[i]`` of rank ``row_src_rank[i]``'s ``[T * k, H]`` buffer,
+    then the opening half of a barrier (``bwd_epilogue_wait`` closes it)."""
+    _ops().bwd_push(rows, row_src_rank, row_src_slot, expert_offsets, state, peer_slots, peer_flags, rank, num_ctas)
+
+
+def bwd_epilogue_wait(slots, dw_slots, shared_dx, dx, dprobs, state, errors, peer_flags: list[int], rank: int,
+                      timeout_s: float) -> None:
+    """Close the barrier, ``dx[t] = sum_s slots[t, s]`` (fp32, slot order) ``+ shared_dx[t]``, cast once;
+    ``dprobs = dw_slots``."""
+    _ops().bwd_epilogue_wait(slots, dw_slots, shared_dx, dx, dprobs, state, errors, peer_flags, rank,
+                             float(timeout_s))

@@ -29,6 +29,12 @@ class MoKPeerTimeoutError(RuntimeError):
     """A device-side wait on a peer rank timed out: that rank stalled or skipped the call."""
 
 
+class MoKKernelStallError(MoKPeerTimeoutError):
+    """A wait inside a mok kernel (the megakernel's watchdog) gave up: a kernel bug or a stalled
+    dependency on this rank, not a late peer. A subclass of MoKPeerTimeoutError, so existing
+    handlers still catch it."""
+
+
 class ErrorCode(enum.IntEnum):
     """Slots of the workspace's device error-flag tensor."""
 
@@ -37,7 +43,8 @@ class ErrorCode(enum.IntEnum):
     DUPLICATE_EXPERT = 2  # value: 1 + token index
     NONFINITE_PROBS = 3  # value: 1 + token index
     PEER_TIMEOUT = 4  # value: 1 + the peer rank that stalled
-    NUM_CODES = 5
+    KERNEL_STALL = 5  # value: 1 + the rank whose kernel-internal wait gave up (megakernel watchdog)
+    NUM_CODES = 6
 
 
 def _group_key(group: dist.ProcessGroup | None) -> Any:
@@ -118,6 +125,12 @@ class MoKWorkspace:
             raise MoKPeerTimeoutError(
                 f"rank {self.rank} timed out waiting for rank {v[ErrorCode.PEER_TIMEOUT] - 1}: "
                 "that rank stalled or skipped the mok call"
+            )
+        if v[ErrorCode.KERNEL_STALL]:
+            raise MoKKernelStallError(
+                f"a mok kernel on rank {v[ErrorCode.KERNEL_STALL] - 1} stalled: a wait inside the kernel "
+                "(megakernel watchdog) gave up and the kernel aborted, so this call's results are garbage; "
+                "this is a kernel bug or a stalled dependency on that rank, not a slow peer"
             )
 
     def check_errors(self, blocking: bool = False) -> None:

@@ -15,6 +15,12 @@ Backends (same inputs, same weights, bf16, one shared expert of size Is = I):
             torch._grouped_mm experts. Needs the NVSHMEM symmetric-memory backend, selected before
             the first symmetric allocation, so it runs in a child process per rank (after the others).
 
+--pass bwd times the backward alone (the forward runs once, outside the timing): mok =
+megatron_mok.backward on the forward's context (the stage-1 CUDA backward unless MOK_BACKWARD=reference);
+alltoall = torch.autograd.grad through the dispatcher + torch._grouped_mm experts + shared expert
+(retain_graph, so every iteration replays the same backward; gradients are returned, not accumulated).
+Backward FLOPs = 2x the forward FLOPs (mok also recomputes the gate/up GEMM, not counted).
+
 Timing: CUDA events around every iteration on every rank, warm-up first; the reported time is the
 median over iterations of the per-iteration maximum over ranks. Forward FLOPs per rank =
 6 T k H I + 6 T H Is. The roofline is an 8192^3 bf16 matmul measured in the same run.
@@ -99,6 +105,14 @@ def shared_expert(c):
 # ---- backends: each returns a step() -> out [T, H] --------------------------------------------------
 
 
+PASS = "fwd"  # set by main(): "fwd" or "bwd"
+
+
+def _grad_out(c, dev):
+    g = torch.Generator(device=dev).manual_seed(4321 + (dist.get_rank() if dist.is_initialized() else 0))
+    return torch.randn(c["T"], c["H"], device=dev, generator=g).to(torch.bfloat16)
+
+
 def backend_mok(c, dev, path=None):
     from megatron_mok import MoKConfig, functional, get_workspace, kernel_path, ops
 
@@ -106,6 +120,18 @@ def backend_mok(c, dev, path=None):
         raise RuntimeError(f"megatron_mok._C not available: {ops.load_error()}")
     cfg = MoKConfig()
     ws = get_workspace(None, dev, c["T"], c["H"], c["k"], c["E"], cfg)
+
+    if PASS == "bwd":
+        sched = functional.build_schedule(cfg, ws, c["top"])
+        _, ctx = functional.forward(cfg, ws, sched, c["x"], c["probs"], c["fc1"], c["fc2"], c["sfc1"], c["sfc2"])
+        grad = _grad_out(c, dev)
+
+        def bwd_step():
+            grads = functional.backward(cfg, ws, sched, ctx, grad, c["x"], c["probs"], c["fc1"], c["fc2"], c["sfc1"],
+                                        c["sfc2"])
+            return grads.dx
+
+        return bwd_step, ws
 
     def step():
         sched = functional.build_schedule(cfg, ws, c["top"])
@@ -157,8 +183,13 @@ def backend_alltoall(c, dev):
     disp = MoEAlltoAllTokenDispatcher(nle, list(range(rank * nle, (rank + 1) * nle)), cfg, pg_collection=_PGS)
     routing_map = torch.zeros(c["T"], c["E"], dtype=torch.bool, device=dev).scatter_(1, c["top"], True)
     probs_dense = torch.zeros(c["T"], c["E"], dtype=torch.float32, device=dev).scatter_(1, c["top"], c["probs"])
-    fc1t, fc2t = c["fc1"].transpose(1, 2), c["fc2"].transpose(1, 2)
     I = c["I"]
+    leaves = None
+    if PASS == "bwd":
+        leaves = {n: c[n].detach().clone().requires_grad_(True) for n in ("x", "fc1", "fc2", "sfc1", "sfc2")}
+        probs_dense = probs_dense.requires_grad_(True)
+        c = dict(c, **leaves)
+    fc1t, fc2t = c["fc1"].transpose(1, 2), c["fc2"].transpose(1, 2)
 
     def step():
         tok, pp = disp.dispatch_preprocess(c["x"], routing_map, probs_dense)
@@ -172,6 +203,15 @@ def backend_alltoall(c, dev):
         y = disp.token_combine(y)
         return disp.combine_postprocess(y) + shared_expert(c)
 
+    if PASS == "bwd":
+        out = step()
+        grad = _grad_out(c, dev)
+        inputs = [leaves["x"], probs_dense, leaves["fc1"], leaves["fc2"], leaves["sfc1"], leaves["sfc2"]]
+
+        def bwd_step():
+            return torch.autograd.grad(out, inputs, grad_outputs=grad, retain_graph=True)[0]
+
+        return bwd_step, None
     return step, None
 
 
@@ -379,9 +419,16 @@ def run_cases(args, backends, dev) -> list[dict]:
         for T in [int(t) for t in args.tokens.split(",")]:
             c = make_case(shape, T, args.routing, args.seed, dev)
             flops = 6 * T * c["k"] * c["H"] * c["I"] + 6 * T * c["H"] * c["Is"]
+            if PASS == "bwd":
+                flops *= 2
             ref_out = ref_bits = None
             for be in backends:
-                row = dict(shape=shape, tokens=T, backend=be, ep=ep, routing=args.routing, flops_per_rank=flops)
+                row = dict(shape=shape, tokens=T, backend=be, ep=ep, routing=args.routing, flops_per_rank=flops,
+                           pass_=PASS)
+                if PASS == "bwd" and be not in ("mok", "alltoall"):
+                    row.update(status="error", error=f"--pass bwd supports mok and alltoall, not {be}")
+                    rows.append(row)
+                    continue
                 step = out = None
                 try:
                     if be == "mok" and gate is not None:
@@ -392,7 +439,7 @@ def run_cases(args, backends, dev) -> list[dict]:
                     out = step()
                     torch.cuda.synchronize()
                     log(f"{shape} T={T} {be}: first step done")
-                    saved = os.path.join(args.tmp_dir, f"mok_out_{shape}_{T}_{args.routing}_rank{dist.get_rank()}.pt")
+                    saved = os.path.join(args.tmp_dir, f"mok_out_{PASS}_{shape}_{T}_{args.routing}_rank{dist.get_rank()}.pt")
                     if be == "mok":
                         ref_out = out.float().clone()
                         ref_bits = out.clone()
@@ -486,7 +533,8 @@ def main() -> None:
     p.add_argument("--shape", default="deepseek-v3", help=f"one of {list(SHAPES)}, a comma list, or 'all'")
     p.add_argument("--tokens", default="2048,4096", help="tokens per GPU, comma list")
     p.add_argument("--backends", default="mok,alltoall,symm_a2a")
-    p.add_argument("--pass", dest="pass_", default="fwd", choices=["fwd"])
+    p.add_argument("--pass", dest="pass_", default="fwd", choices=["fwd", "bwd"],
+                   help="fwd: the layer forward; bwd: the layer backward alone (see above)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--routing", default="random", choices=["random", "skewed"])
@@ -498,6 +546,8 @@ def main() -> None:
     p.add_argument("--breakdown", action="store_true", help="also time each mok stage separately")
     p.add_argument("--_child-out", dest="child_out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    global PASS
+    PASS = args.pass_
     backends = [b for b in args.backends.split(",") if b]
     for b in backends:
         if b not in BACKENDS:
@@ -558,7 +608,7 @@ def main() -> None:
             command=os.environ.get("MOK_BENCH_CMD", " ".join([sys.executable] + sys.argv)),
             argv=sys.argv, torch=torch.__version__, cuda=torch.version.cuda, gpu=gpu, ep=ep, pass_=args.pass_,
             date=datetime.date.today().isoformat(), matmul_8192_tflops=roof, seconds=time.time() - t0,
-            env={k: os.environ.get(k) for k in (*NO_MULTICAST_ENV, "MOK_FORWARD", "MOK_GEMM_SKIP_PAD")},
+            env={k: os.environ.get(k) for k in (*NO_MULTICAST_ENV, "MOK_FORWARD", "MOK_BACKWARD", "MOK_GEMM_SKIP_PAD")},
             results=sorted(old.values(), key=lambda r: (r["shape"], r["tokens"], r["backend"])))
         if os.environ.get("MOK_BENCH_NOTE"):
             doc["note"] = os.environ["MOK_BENCH_NOTE"]

@@ -87,7 +87,7 @@ def plot(docs, png: str) -> None:
         ax.axhline(d["matmul_8192_tflops"], color="k", ls="--", lw=1, label="bf16 matmul 8192^3")
         ax.set_xticks([j + width * (len(backends) - 1) / 2 for j in range(len(keys))])
         ax.set_xticklabels([f"{s}\nT={t}" for s, t in keys], fontsize=8)
-        ax.set_ylabel("TFLOP/s per GPU (forward)")
+        ax.set_ylabel(f"TFLOP/s per GPU ({'backward' if d.get('pass_') == 'bwd' else 'forward'})")
         ax.set_title(f"{d['_file']}: {d['gpu']} EP={d['ep']} ({d['date']})", fontsize=9)
         ax.legend(fontsize=8)
     fig.tight_layout()

@@ -18,6 +18,7 @@ enum ErrorCode : int {
   kErrDuplicateExpert = 2,
   kErrNonfiniteProbs = 3,
   kErrPeerTimeout = 4,
+  kErrKernelStall = 5,  // 1 + the rank whose in-kernel wait (megakernel watchdog) gave up
 };
 
 constexpr int kRowAlign = 128;  // megatron_mok.config.ROW_ALIGN
@@ -88,7 +89,7 @@ __device__ __forceinline__ bool warpgroup_bar_or(int id, bool pred) {
 }
 
 // A spin-wait guard: gives up after timeout_ns, or at once when another waiter of the launch gave
-// up (*abort != 0). Giving up records `code` in errors[kErrPeerTimeout] and sets *abort, so a bug
+// up (*abort != 0). Giving up records `code` in errors[kErrKernelStall] and sets *abort, so a bug
 // or a stalled dependency ends the kernel (with garbage and a raised error) instead of hanging.
 struct Watchdog {
   int* abort;
@@ -102,7 +103,7 @@ __device__ __forceinline__ bool watchdog_expired(const Watchdog& w, uint64_t t0,
   if ((++spins & 63) != 0) return false;
   if (ld_volatile(w.abort) != 0) return true;
   if (globaltimer_ns() - t0 > w.timeout_ns) {
-    atomicCAS(w.errors + kErrPeerTimeout, 0, w.code);
+    atomicCAS(w.errors + kErrKernelStall, 0, w.code);
     atomicExch(w.abort, 1);
     return true;
   }

@@ -92,6 +92,46 @@ const char* launch_epilogue(const void* comb, const float* probs, const void* sh
                             const int* wait_flags, const int* state, int* errors, int ep, uint64_t timeout_ns,
                             cudaStream_t stream);
 
+// ---- the stage-1 backward (backward.cu) ------------------------------------------------------
+
+// g_dst <- g (grad_out [T, H] bf16, 16-byte aligned), p_dst <- p (probs [T, k] fp32): this rank's
+// symmetric buffers; then the last block runs a full barrier (one launch).
+const char* launch_bwd_publish(const void* g, void* g_dst, int64_t g_bytes, const void* p, void* p_dst,
+                               int64_t p_bytes, const PeerPtrs& flags, int* state, int* errors, int rank, int ep,
+                               uint64_t timeout_ns, cudaStream_t stream);
+
+// Pull of the backward: routed row i (< min(expert_offsets[nle], capacity)) reads grad_out row
+// row_src_slot[i] / k and router weight [row_src_slot[i]] of rank row_src_rank[i] (g_bufs, p_bufs),
+// writes dy[i] = bf16(w * g) and stores <g, y_routed[i]> (fp32, fixed order) into
+// dw_bufs[row_src_rank[i]][row_src_slot[i]]. Padding rows: dy = 0, nothing pushed.
+const char* launch_bwd_pull(const int* row_src_rank, const int* row_src_slot, const int* expert_offsets, int nle,
+                            int capacity, const PeerPtrs& g_bufs, const PeerPtrs& p_bufs, const PeerPtrs& dw_bufs,
+                            const void* y_routed, void* dy, int H, int k, int num_ctas, cudaStream_t stream);
+
+// dh [rows, 2I] = SwiGLU backward of h [rows, 2I] ([gate | up]) and da [rows, I]; rows =
+// min(seg_offsets[nseg], row_cap) (device value) or row_cap when seg_offsets is null. Rows past
+// that are not touched.
+const char* launch_swiglu_backward(const void* h, const void* da, void* dh, int64_t row_cap, int I,
+                                   const int* seg_offsets, int nseg, cudaStream_t stream);
+
+// Zero the slab t[e] (bytes_per_seg bytes) of every segment e with seg_counts[e] == 0.
+const char* launch_zero_empty_segments(void* t, int64_t bytes_per_seg, const int* seg_counts, int nseg,
+                                       cudaStream_t stream);
+
+// Push of the backward: routed row i's rows[i] -> slot row_src_slot[i] of rank row_src_rank[i]'s
+// symmetric [T * k, H] buffer (like launch_combine); then the last block opens a barrier (new epoch
+// stored into every peer's flag); launch_bwd_epilogue with wait_flags closes it.
+const char* launch_bwd_push(const void* rows, const int* row_src_rank, const int* row_src_slot,
+                            const int* expert_offsets, int nle, int capacity, const PeerPtrs& slot_bufs, int H,
+                            const PeerPtrs& flags, int* state, int rank, int ep, int num_ctas, cudaStream_t stream);
+
+// dx[t] = sum_{s < k} slots[t * k + s] (fp32, slot order, no contraction) + shared_dx[t] (if not
+// null), cast once to bf16; dprobs[t * k + s] = dw_slots[t * k + s]. wait_flags: as in
+// launch_epilogue (closing half of the barrier that launch_bwd_push opened).
+const char* launch_bwd_epilogue(const void* slots, const float* dw_slots, const void* shared_dx, void* dx,
+                                float* dprobs, int T, int k, int H, const int* wait_flags, const int* state,
+                                int* errors, int ep, uint64_t timeout_ns, cudaStream_t stream);
+
 // ---- the persistent forward megakernel (megakernel.cu) ---------------------------------------
 
 struct MegaArgs {

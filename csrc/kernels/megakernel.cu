@@ -25,7 +25,7 @@
 //
 // Counters live in a per-workspace int32 buffer that the last CTA to finish zeroes again, so a
 // CUDA graph replays it. Every wait has a watchdog (%globaltimer): a stall sets
-// errors[kErrPeerTimeout] = 1 + rank and an abort flag, and the kernel ends instead of hanging.
+// errors[kErrKernelStall] = 1 + rank and an abort flag, and the kernel ends instead of hanging.
 #include <stdlib.h>
 
 #include "barrier.cuh"

@@ -1,0 +1,323 @@
+// Stage-1 CUDA backward of the mok layer: the transfers and the elementwise pieces. The expert
+// GEMMs run between these launches (megatron_mok/kernel_path.py: our grouped GEMM for the gate/up
+// recompute, torch._grouped_mm with device offsets for the rest, cuBLAS for the shared expert).
+//
+//   bwd_publish:   grad_out -> this rank's symmetric [T, H] buffer, probs -> symmetric [T, k]
+//                  buffer, then a device barrier (the last block runs it)            1 launch
+//   bwd_pull:      routed row i pulls grad_out row (token of row_src_slot[i]) and its router weight
+//                  from the source rank, writes dy[i] = bf16(w * g) and pushes the router-weight
+//                  gradient <g, y_routed[i]> (fp32, fixed order) into slot row_src_slot[i] of the
+//                  source rank's symmetric [T * k] fp32 buffer                       1 launch
+//   swiglu_bwd:    dh = [d_gate; d_up] from the gate/up pre-activations h and da      1 launch
+//   zero_empty:    weight-gradient slabs of experts without rows <- exact zeros       1 launch
+//   bwd_push:      routed row i's dx row -> slot row_src_slot[i] of the source rank's symmetric
+//                  [T * k, H] buffer; the last block opens the closing barrier       1 launch
+//   bwd_epilogue:  closes the barrier, dx[t] = sum_s slot[t, s] in slot order (fp32, no
+//                  contraction) + shared dx, cast once; dprobs <- the pushed [T * k] gradients
+//
+// Determinism: no float atomics; every sum has a fixed order (the dot product: per lane in column
+// order, then a butterfly over the warp); slots are unique, so pushes are plain stores. Nothing
+// depends on the CTA counts.
+#include <algorithm>
+
+#include "barrier.cuh"
+#include "swiglu.cuh"
+
+namespace mok {
+namespace {
+
+constexpr int kUnroll = 4;
+
+__device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 p = __bfloat1622float2(h[j]);
+    f[2 * j] = p.x;
+    f[2 * j + 1] = p.y;
+  }
+}
+
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  uint4 o;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);
+  return o;
+}
+
+// ---- publish ----------------------------------------------------------------------------------
+
+__global__ void bwd_publish_kernel(const uint4* __restrict__ g, uint4* __restrict__ g_dst, int64_t g16,
+                                   const int* __restrict__ p, int* __restrict__ p_dst, int64_t p4, PeerPtrs flags,
+                                   int* state, int* errors, int rank, int ep, uint64_t timeout_ns) {
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < g16; i += stride) g_dst[i] = g[i];
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < p4; i += stride) p_dst[i] = p[i];
+  if (last_block_arrive(state + kStateArrive)) barrier_block(flags, state, errors, rank, ep, timeout_ns, 0);
+}
+
+// ---- pull (+ router-weight gradient push) ------------------------------------------------------
+
+__global__ void bwd_pull_kernel(const int* __restrict__ row_src_rank, const int* __restrict__ row_src_slot,
+                                const int* __restrict__ expert_offsets, int nle, int capacity, PeerPtrs g_bufs,
+                                PeerPtrs p_bufs, PeerPtrs dw_bufs, const __nv_bfloat16* __restrict__ y,
+                                __nv_bfloat16* __restrict__ dy, int H, int k) {
+  const int total = min(expert_offsets[nle], capacity);
+  const int lane = threadIdx.x % 32;
+  const int warps = gridDim.x * (blockDim.x / 32);
+  const int n16 = H / 8;
+  for (int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; row < total; row += warps) {
+    uint4* dst = reinterpret_cast<uint4*>(dy + static_cast<int64_t>(row) * H);
+    const int src = row_src_rank[row];
+    if (src < 0) {  // padding row: zero, so it adds nothing to the weight gradients
+      for (int c = lane; c < n16; c += 32) st16(dst + c, make_uint4(0, 0, 0, 0));
+      continue;
+    }
+    const int slot = row_src_slot[row];
+    const int token = slot / k;
+    const float w = static_cast<const float*>(p_bufs.p[src])[slot];
+    const uint4* gs =
+        reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(g_bufs.p[src]) + static_cast<int64_t>(token) * H);
+    const uint4* ys = reinterpret_cast<const uint4*>(y + static_cast<int64_t>(row) * H);
+    float acc = 0.f;
+    int c = lane;
+    for (; c + 32 * (kUnroll - 1) < n16; c += 32 * kUnroll) {
+      uint4 gv[kUnroll], yv[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        gv[u] = ld16(gs + c + 32 * u);
+        yv[u] = ld16(ys + c + 32 * u);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        float gf[8], yf[8], o[8];
+        unpack8(gv[u], gf);
+        unpack8(yv[u], yf);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          acc = __fadd_rn(acc, __fmul_rn(gf[j], yf[j]));
+          o[j] = __fmul_rn(w, gf[j]);
+        }
+        st16(dst + c + 32 * u, pack8(o));
+      }
+    }
+    for (; c < n16; c += 32) {
+      float gf[8], yf[8], o[8];
+      unpack8(ld16(gs + c), gf);
+      unpack8(ld16(ys + c), yf);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        acc = __fadd_rn(acc, __fmul_rn(gf[j], yf[j]));
+        o[j] = __fmul_rn(w, gf[j]);
+      }
+      st16(dst + c, pack8(o));
+    }
+    // butterfly: a + b == b + a bitwise, so every lane ends with the same value, in a fixed order
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, off));
+    if (lane == 0) static_cast<float*>(dw_bufs.p[src])[slot] = acc;
+  }
+}
+
+// ---- SwiGLU backward ---------------------------------------------------------------------------
+
+// h [rows, 2I] = [gate | up] pre-activations, da [rows, I] -> dh [rows, 2I] = [d_gate | d_up]:
+//   d_gate = da * up * sig * (1 + g * (1 - sig)),  d_up = da * silu(g)   (fp32, cast once)
+__global__ void swiglu_bwd_kernel(const __nv_bfloat16* __restrict__ h, const __nv_bfloat16* __restrict__ da,
+                                  __nv_bfloat16* __restrict__ dh, int64_t row_cap, int I, const int* seg_offsets,
+                                  int nseg) {
+  const int64_t rows = seg_offsets ? min(static_cast<int64_t>(seg_offsets[nseg]), row_cap) : row_cap;
+  const int n8 = I / 8;
+  const int64_t total = rows * n8;
+  const int64_t two_i = 2 * static_cast<int64_t>(I);
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = i / n8;
+    const int c = static_cast<int>(i % n8) * 8;
+    float g[8], u[8], d[8], dg[8], du[8];
+    unpack8(ld16(h + r * two_i + c), g);
+    unpack8(ld16(h + r * two_i + I + c), u);
+    unpack8(ld16(da + r * I + c), d);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float sig = __fdiv_rn(1.0f, __fadd_rn(1.0f, __expf(-g[j])));
+      const float s = __fmul_rn(g[j], sig);
+      const float dsilu = __fmul_rn(sig, __fadd_rn(1.0f, __fmul_rn(g[j], __fsub_rn(1.0f, sig))));
+      dg[j] = __fmul_rn(__fmul_rn(d[j], u[j]), dsilu);
+      du[j] = __fmul_rn(d[j], s);
+    }
+    st16(dh + r * two_i + c, pack8(dg));
+    st16(dh + r * two_i + I + c, pack8(du));
+  }
+}
+
+// ---- exact zeros for experts without rows ------------------------------------------------------
+
+__global__ void zero_empty_kernel(uint4* __restrict__ t, int64_t n16_per_seg, const int* __restrict__ seg_counts) {
+  const int e = blockIdx.y;
+  if (seg_counts[e] != 0) return;
+  uint4* base = t + static_cast<int64_t>(e) * n16_per_seg;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n16_per_seg; i += (int64_t)gridDim.x * blockDim.x)
+    base[i] = make_uint4(0, 0, 0, 0);
+}
+
+// ---- push dx rows (+ opening half of the closing barrier) --------------------------------------
+
+__global__ void bwd_push_kernel(const __nv_bfloat16* __restrict__ rows_in, const int* __restrict__ row_src_rank,
+                                const int* __restrict__ row_src_slot, const int* __restrict__ expert_offsets, int nle,
+                                int capacity, PeerPtrs slot_bufs, int H, PeerPtrs flags, int* state, int rank, int ep) {
+  const int total = min(expert_offsets[nle], capacity);
+  const int lane = threadIdx.x % 32;
+  const int warps = gridDim.x * (blockDim.x / 32);
+  const int n16 = H / 8;
+  for (int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; row < total; row += warps) {
+    const int dst_rank = row_src_rank[row];
+    if (dst_rank < 0) continue;
+    const int64_t slot = row_src_slot[row];
+    uint4* dst = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(slot_bufs.p[dst_rank]) + slot * H);
+    const uint4* src = reinterpret_cast<const uint4*>(rows_in + static_cast<int64_t>(row) * H);
+    int c = lane;
+    for (; c + 32 * (kUnroll - 1) < n16; c += 32 * kUnroll) {
+      uint4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) v[u] = ld16(src + c + 32 * u);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) st16(dst + c + 32 * u, v[u]);
+    }
+    for (; c < n16; c += 32) st16(dst + c, ld16(src + c));
+  }
+  // every block fenced its pushes (system scope) in last_block_arrive; the last one arrives for the
+  // rank: the epilogue (bwd_epilogue with wait_flags) closes the barrier
+  if (last_block_arrive(state + kStateArrive)) {
+    __shared__ int s_epoch;
+    if (threadIdx.x == 0) s_epoch = barrier_next_epoch(state, 0);
+    __syncthreads();
+    barrier_arrive(flags, rank, ep, s_epoch, threadIdx.x, blockDim.x);
+  }
+}
+
+// ---- epilogue ---------------------------------------------------------------------------------
+
+// grid (ceil(H / 8 / blockDim), T): one thread per 8 columns of one token.
+__global__ void bwd_epilogue_kernel(const __nv_bfloat16* __restrict__ slots, const float* __restrict__ dw_slots,
+                                    const __nv_bfloat16* __restrict__ shared_dx, __nv_bfloat16* __restrict__ dx,
+                                    float* __restrict__ dprobs, int k, int H, const int* wait_flags, const int* state,
+                                    int* errors, int ep, uint64_t timeout_ns) {
+  if (wait_flags != nullptr) {
+    if (threadIdx.x == 0) barrier_wait(wait_flags, ep, state[kStateBarrierEpoch], errors, timeout_ns, 0, 1);
+    __syncthreads();
+  }
+  const int64_t t = blockIdx.y;
+  if (blockIdx.x == 0)
+    for (int s = threadIdx.x; s < k; s += blockDim.x) dprobs[t * k + s] = __ldcg(dw_slots + t * k + s);
+  const int c8 = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c8 * 8 >= H) return;
+  float acc[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j] = 0.f;
+  for (int s = 0; s < k; ++s) {
+    float f[8];
+    // .cg: peers wrote the slots during this backward (never through this SM's L1)
+    unpack8(__ldcg(reinterpret_cast<const uint4*>(slots + (t * k + s) * H + c8 * 8)), f);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], f[j]);
+  }
+  if (shared_dx != nullptr) {
+    float f[8];
+    unpack8(ld16(shared_dx + t * H + c8 * 8), f);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], f[j]);
+  }
+  st16(dx + t * H + c8 * 8, pack8(acc));
+}
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+}  // namespace
+
+const char* launch_bwd_publish(const void* g, void* g_dst, int64_t g_bytes, const void* p, void* p_dst,
+                               int64_t p_bytes, const PeerPtrs& flags, int* state, int* errors, int rank, int ep,
+                               uint64_t timeout_ns, cudaStream_t stream) {
+  if (ep < 1 || ep > kMaxPeers || rank < 0 || rank >= ep) return "mok bwd_publish: bad rank / EP size";
+  if (g_bytes % 16 || !aligned16(g) || !aligned16(g_dst)) return "mok bwd_publish: grad_out must be 16-byte aligned";
+  if (p_bytes % 4 || (reinterpret_cast<uintptr_t>(p) & 3) || (reinterpret_cast<uintptr_t>(p_dst) & 3))
+    return "mok bwd_publish: probs must be 4-byte aligned";
+  const int64_t g16 = g_bytes / 16, p4 = p_bytes / 4;
+  const int threads = 256;
+  const int blocks = static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>((std::max(g16, p4) + threads - 1) / threads, 2 * num_sms())));
+  bwd_publish_kernel<<<blocks, threads, 0, stream>>>(static_cast<const uint4*>(g), static_cast<uint4*>(g_dst), g16,
+                                                     static_cast<const int*>(p), static_cast<int*>(p_dst), p4, flags,
+                                                     state, errors, rank, ep, timeout_ns);
+  return launch_status();
+}
+
+const char* launch_bwd_pull(const int* row_src_rank, const int* row_src_slot, const int* expert_offsets, int nle,
+                            int capacity, const PeerPtrs& g_bufs, const PeerPtrs& p_bufs, const PeerPtrs& dw_bufs,
+                            const void* y_routed, void* dy, int H, int k, int num_ctas, cudaStream_t stream) {
+  if (H % 8) return "mok bwd_pull: H must be a multiple of 8";
+  if (!aligned16(y_routed) || !aligned16(dy)) return "mok bwd_pull: y_routed / dy must be 16-byte aligned";
+  if (num_ctas <= 0) num_ctas = 4 * num_sms();
+  bwd_pull_kernel<<<num_ctas, 256, 0, stream>>>(row_src_rank, row_src_slot, expert_offsets, nle, capacity, g_bufs,
+                                                 p_bufs, dw_bufs, static_cast<const __nv_bfloat16*>(y_routed),
+                                                 static_cast<__nv_bfloat16*>(dy), H, k);
+  return launch_status();
+}
+
+const char* launch_swiglu_backward(const void* h, const void* da, void* dh, int64_t row_cap, int I,
+                                   const int* seg_offsets, int nseg, cudaStream_t stream) {
+  if (I % 8) return "mok swiglu_backward: I must be a multiple of 8";
+  if (!aligned16(h) || !aligned16(da) || !aligned16(dh)) return "mok swiglu_backward: operands must be 16-byte aligned";
+  if (row_cap <= 0) return nullptr;
+  const int64_t work = row_cap * (I / 8);
+  const int threads = 256;
+  const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((work + threads - 1) / threads,
+                                                                             8 * num_sms())));
+  swiglu_bwd_kernel<<<blocks, threads, 0, stream>>>(static_cast<const __nv_bfloat16*>(h),
+                                                    static_cast<const __nv_bfloat16*>(da),
+                                                    static_cast<__nv_bfloat16*>(dh), row_cap, I, seg_offsets, nseg);
+  return launch_status();
+}
+
+const char* launch_zero_empty_segments(void* t, int64_t bytes_per_seg, const int* seg_counts, int nseg,
+                                       cudaStream_t stream) {
+  if (bytes_per_seg % 16 || !aligned16(t)) return "mok zero_empty_segments: slabs must be 16-byte aligned";
+  if (nseg <= 0 || bytes_per_seg == 0) return nullptr;
+  if (nseg > 65535) return "mok zero_empty_segments: too many segments";
+  const int64_t n16 = bytes_per_seg / 16;
+  const int threads = 256;
+  const int bx = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((n16 + threads - 1) / threads, 64)));
+  zero_empty_kernel<<<dim3(bx, nseg), threads, 0, stream>>>(static_cast<uint4*>(t), n16, seg_counts);
+  return launch_status();
+}
+
+const char* launch_bwd_push(const void* rows, const int* row_src_rank, const int* row_src_slot,
+                            const int* expert_offsets, int nle, int capacity, const PeerPtrs& slot_bufs, int H,
+                            const PeerPtrs& flags, int* state, int rank, int ep, int num_ctas, cudaStream_t stream) {
+  if (H % 8) return "mok bwd_push: H must be a multiple of 8";
+  if (ep < 1 || ep > kMaxPeers || rank < 0 || rank >= ep) return "mok bwd_push: bad rank / EP size";
+  if (!aligned16(rows)) return "mok bwd_push: rows must be 16-byte aligned";
+  if (num_ctas <= 0) num_ctas = 4 * num_sms();
+  bwd_push_kernel<<<num_ctas, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(rows), row_src_rank, row_src_slot,
+                                                 expert_offsets, nle, capacity, slot_bufs, H, flags, state, rank, ep);
+  return launch_status();
+}
+
+const char* launch_bwd_epilogue(const void* slots, const float* dw_slots, const void* shared_dx, void* dx,
+                                float* dprobs, int T, int k, int H, const int* wait_flags, const int* state,
+                                int* errors, int ep, uint64_t timeout_ns, cudaStream_t stream) {
+  if (wait_flags != nullptr && (state == nullptr || errors == nullptr || ep < 1 || ep > kMaxPeers))
+    return "mok bwd_epilogue: the barrier wait needs state, errors and the EP size";
+  if (H % 8) return "mok bwd_epilogue: H must be a multiple of 8";
+  if (T <= 0) return nullptr;
+  if (T > 65535) return "mok bwd_epilogue: more than 65535 tokens";
+  const int threads = 128;
+  dim3 grid((H / 8 + threads - 1) / threads, T);
+  bwd_epilogue_kernel<<<grid, threads, 0, stream>>>(static_cast<const __nv_bfloat16*>(slots), dw_slots,
+                                                    static_cast<const __nv_bfloat16*>(shared_dx),
+                                                    static_cast<__nv_bfloat16*>(dx), dprobs, k, H, wait_flags, state,
+                                                    errors, ep, timeout_ns);
+  return launch_status();
+}
+
+}  // namespace mok

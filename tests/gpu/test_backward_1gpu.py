@@ -1,0 +1,232 @@
+"""Single-GPU (EP=1) tests of the stage-1 CUDA backward (kernel_path.backward) against the fp32
+reference, plus its pieces (SwiGLU backward, exact zeros of empty experts) and the KERNEL_STALL
+error code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_mok import MoKConfig, create_workspace
+from megatron_mok.schedule import build_schedule_reference
+
+from ._bwd import (assert_bitwise, assert_empty_experts_zero, check_close, clone_all, grads_list, poison_all,
+                   poison_ctx_tail, reference_grads, rel_err)
+from ._util import extension_ready, make_inputs, make_routing, schedules_equal
+
+_ok, _why = extension_ready()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _ok, reason=_why)]
+
+DEV = "cuda:0"
+
+SHAPES = [  # T, H, I, Is, E, k
+    (256, 256, 128, 128, 8, 2),
+    (300, 384, 192, 0, 16, 4),
+    (517, 512, 320, 256, 32, 8),
+    (128, 1024, 512, 512, 4, 1),
+]
+
+
+def _kp():
+    from megatron_mok import kernel_path
+
+    return kernel_path
+
+
+def _case(shape, kind, seed):
+    T, H, I, Is, E, k = shape
+    gen = torch.Generator().manual_seed(seed)
+    cfg = MoKConfig()
+    ws = create_workspace(None, DEV, T, H, k, E, cfg)
+    x, probs, fc1, fc2, sfc1, sfc2 = make_inputs(T, H, I, Is, E, k, gen, DEV)
+    top = make_routing(kind, T, k, E, gen).to(DEV)
+    g = torch.randn(T, H, generator=gen).bfloat16().to(DEV)
+    return cfg, ws, top, (x, probs, fc1, fc2, sfc1, sfc2), g
+
+
+# ---- pieces ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows,I,limit", [(300, 64, None), (384, 136, 256), (128, 8, 0)])
+def test_swiglu_backward_matches_torch(rows, I, limit):
+    from megatron_mok import ops
+
+    gen = torch.Generator().manual_seed(rows + I)
+    h = (3 * torch.randn(rows, 2 * I, generator=gen)).bfloat16().to(DEV)
+    da = torch.randn(rows, I, generator=gen).bfloat16().to(DEV)
+    dh = torch.full((rows, 2 * I), float("nan"), dtype=torch.bfloat16, device=DEV)
+    seg = None if limit is None else torch.tensor([0, limit], dtype=torch.int32, device=DEV)
+    ops.swiglu_backward(h, da, dh, seg)
+    n = rows if limit is None else limit
+    hf = h.float()[:n].requires_grad_(True)
+    gate, up = hf.chunk(2, dim=1)
+    (torch.nn.functional.silu(gate) * up).backward(da.float()[:n])
+    assert rel_err(dh[:n], hf.grad) < 1e-2
+    assert torch.isnan(dh[n:].float()).all(), "rows past the limit were written"
+    dh2 = torch.full_like(dh, float("nan"))
+    ops.swiglu_backward(h, da, dh2, seg)
+    assert torch.equal(dh.view(torch.int16), dh2.view(torch.int16))
+
+
+def test_zero_empty_segments():
+    from megatron_mok import ops
+
+    t = torch.randn(5, 24, 16, device=DEV).bfloat16()
+    before = t.clone()
+    counts = torch.tensor([3, 0, 1, 0, 7], dtype=torch.int32, device=DEV)
+    ops.zero_empty_segments(t, counts)
+    for e, c in enumerate([3, 0, 1, 0, 7]):
+        if c == 0:
+            assert bool((t[e] == 0).all())
+        else:
+            assert torch.equal(t[e], before[e])
+
+
+def test_kernel_stall_error_code():
+    from megatron_mok.workspace import ErrorCode, MoKKernelStallError, MoKPeerTimeoutError
+
+    assert ErrorCode.KERNEL_STALL == 5 and ErrorCode.NUM_CODES == 6
+    ws = create_workspace(None, DEV, 16, 64, 2, 4, MoKConfig())
+    assert ws.errors.numel() == 6
+    ws.errors[ErrorCode.KERNEL_STALL] = 1  # rank 0's kernel stalled
+    with pytest.raises(MoKKernelStallError, match="rank 0 stalled"):
+        ws.check_errors(blocking=True)
+    assert issubclass(MoKKernelStallError, MoKPeerTimeoutError)
+    ws.check_errors(blocking=True)  # reported once
+
+
+# ---- the backward against the reference -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["random", "skewed", "one_expert", "half_empty"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_backward_matches_reference(kind, shape):
+    cfg, ws, top, w, g = _case(shape, kind, sum(shape) + 7 * len(kind))
+    kp = _kp()
+    sched = kp.build_schedule(cfg, ws, top)
+    ref_sched = build_schedule_reference(ws, top)
+    assert schedules_equal(sched, ref_sched) == []
+    ref = reference_grads(ws, ref_sched, *w, g)
+    first = None
+    for rep in range(2):  # the second run sees NaN-poisoned buffers and context tails
+        _, ctx = kp.forward(cfg, ws, sched, *w)
+        if rep:
+            poison_ctx_tail(ctx, sched)
+        grads = kp.backward(cfg, ws, sched, ctx, g, *w)
+        torch.cuda.synchronize()
+        got = grads_list(grads)
+        check_close(got, ref)
+        if first is None:
+            first = clone_all(got)
+            if kind in ("one_expert", "half_empty"):
+                assert assert_empty_experts_zero(grads, sched) > 0
+        else:
+            assert_bitwise(got, first, "after poisoning")
+        poison_all(ws)
+    # no context: recomputed inside (staged dispatch + GEMMs), same bits
+    got = grads_list(kp.backward(cfg, ws, sched, None, g, *w))
+    torch.cuda.synchronize()
+    assert_bitwise(got, first, "ctx=None")
+    ws.check_errors(blocking=True)
+
+
+def test_backward_bitwise_20_repeats_and_knobs():
+    shape = (512, 512, 256, 256, 16, 4)
+    cfg, ws, top, w, g = _case(shape, "skewed", 77)
+    kp = _kp()
+    base = None
+    cfgs = [MoKConfig(), MoKConfig(bwd_comm_sms=1, fwd_comm_sms=2, minibatch_rows=128, macrobatch_rows=1024),
+            MoKConfig(bwd_comm_sms=64, minibatch_rows=256)]
+    for rep in range(20):
+        c = cfgs[rep % len(cfgs)]
+        sched = kp.build_schedule(c, ws, top)
+        _, ctx = kp.forward(c, ws, sched, *w)
+        got = grads_list(kp.backward(c, ws, sched, ctx, g, *w, comm_ctas=[0, 1, 7, 100][rep % 4]))
+        if base is None:
+            torch.cuda.synchronize()
+            base = clone_all(got)
+        else:
+            assert_bitwise(got, base, f"rep {rep}")
+    ws.check_errors(blocking=True)
+
+
+def test_backward_cuda_graph_matches_eager():
+    shape = (384, 256, 128, 128, 8, 2)
+    cfg, ws, top, w, g = _case(shape, "random", 5)
+    kp = _kp()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        sched = kp.build_schedule(cfg, ws, top)
+        out, ctx = kp.forward(cfg, ws, sched, *w)
+        eager = [out.clone()] + clone_all(grads_list(kp.backward(cfg, ws, sched, ctx, g, *w)))
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sched_g = kp.build_schedule(cfg, ws, top)
+        out_g, ctx_g = kp.forward(cfg, ws, sched_g, *w)
+        grads_g = kp.backward(cfg, ws, sched_g, ctx_g, g, *w)
+    for _ in range(3):
+        poison_all(ws)
+        for t in [out_g] + grads_list(grads_g):
+            if t is not None:
+                t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        got = [out_g] + grads_list(grads_g)
+        assert torch.equal(got[0], eager[0]), "graph forward differs from eager"
+        assert_bitwise(got[1:], eager[1:], "graph replay")
+    ws.check_errors(blocking=True)
+
+
+def test_backward_main_grads_accumulate():
+    shape = (256, 256, 128, 128, 8, 2)
+    cfg, ws, top, w, g = _case(shape, "half_empty", 11)
+    kp = _kp()
+    sched = kp.build_schedule(cfg, ws, top)
+    _, ctx = kp.forward(cfg, ws, sched, *w)
+    plain = grads_list(kp.backward(cfg, ws, sched, ctx, g, *w))
+    gen = torch.Generator().manual_seed(3)
+    shapes = [w[2].shape, w[3].shape, w[4].shape, w[5].shape]
+    before = [torch.randn(s, generator=gen).to(DEV) for s in shapes]
+    main = [b.clone() for b in before]
+    got = kp.backward(cfg, ws, sched, ctx, g, *w, main_grads=tuple(main))
+    assert got.dfc1 is None and got.dfc2 is None and got.dshared_fc1 is None and got.dshared_fc2 is None
+    assert_bitwise(grads_list(got)[:2], plain[:2], "main_grads dx/dprobs")
+    for m, b, gw in zip(main, before, plain[2:]):
+        assert m.dtype == torch.float32 and torch.equal(m, b + gw.float())
+    # a partial tuple fuses only the given entries; a second call adds again
+    got2 = kp.backward(cfg, ws, sched, ctx, g, *w, main_grads=(main[0], None, None, None))
+    assert got2.dfc1 is None and torch.equal(got2.dfc2, plain[3])
+    assert torch.equal(main[0], (before[0] + plain[2].float()) + plain[2].float())
+    ws.check_errors(blocking=True)
+
+
+def test_autograd_uses_the_cuda_backward():
+    from megatron_mok import mok_moe
+
+    shape = (256, 256, 128, 128, 8, 2)
+    cfg, ws, top, w, g = _case(shape, "skewed", 13)
+    x, probs, fc1, fc2, sfc1, sfc2 = [t.detach().clone().requires_grad_(True) for t in w]
+    out = mok_moe(x, top, probs, fc1, fc2, sfc1, sfc2, cfg=cfg)
+    out.backward(g)
+    kp = _kp()
+    ws2 = create_workspace(None, DEV, *[shape[0], shape[1], shape[5], shape[4]], cfg)
+    sched = kp.build_schedule(cfg, ws2, top)
+    _, ctx = kp.forward(cfg, ws2, sched, *w)
+    direct = grads_list(kp.backward(cfg, ws2, sched, ctx, g, *w))
+    torch.cuda.synchronize()
+    auto = [x.grad, probs.grad, fc1.grad, fc2.grad, sfc1.grad, sfc2.grad]
+    assert_bitwise(auto, direct, "autograd vs kernel_path.backward")
+
+
+def test_reference_path_selectable():
+    shape = (256, 256, 128, 128, 8, 2)
+    cfg, ws, top, w, g = _case(shape, "random", 17)
+    kp = _kp()
+    sched = kp.build_schedule(cfg, ws, top)
+    _, ctx = kp.forward(cfg, ws, sched, *w)
+    cuda = grads_list(kp.backward(cfg, ws, sched, ctx, g, *w))
+    ref = grads_list(kp.backward(cfg, ws, sched, ctx, g, *w, path="reference"))
+    check_close(cuda, ref)
