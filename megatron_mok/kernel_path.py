@@ -366,7 +366,7 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
         ctx = recompute_forward_context(cfg, ws, sched, x, fc1, fc2, shared_fc1)
 
     c = _comm(ws)
-    T, H, k, nle, cap = ws.num_tokens, ws.hidden, ws.topk, ws.num_local_experts, sched.capacity
+    T, H, k, cap = ws.num_tokens, ws.hidden, ws.topk, sched.capacity
     I = fc1.shape[1] // 2
     bf16 = dict(dtype=torch.bfloat16, device=ws.device)
     fc1, fc2 = fc1.contiguous(), fc2.contiguous()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import shutil
 import subprocess
 import sys

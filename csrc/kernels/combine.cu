@@ -10,41 +10,10 @@
 namespace mok {
 namespace {
 
-constexpr int kUnroll = 4;
-
 __global__ void combine_kernel(const __nv_bfloat16* __restrict__ y, const int* __restrict__ row_src_rank,
                                const int* __restrict__ row_src_slot, const int* __restrict__ expert_offsets, int nle,
                                int capacity, PeerPtrs comb_bufs, int H) {
-  const int total = min(expert_offsets[nle], capacity);
-  const int lane = threadIdx.x % 32;
-  const int warps = gridDim.x * (blockDim.x / 32);
-  const int n16 = H / 8;
-  for (int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; row < total; row += warps) {
-    const int dst_rank = row_src_rank[row];
-    if (dst_rank < 0) continue;
-    const int64_t slot = row_src_slot[row];
-    uint4* dst = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(comb_bufs.p[dst_rank]) + slot * H);
-    const uint4* src = reinterpret_cast<const uint4*>(y + static_cast<int64_t>(row) * H);
-    int c = lane;
-    for (; c + 32 * (kUnroll - 1) < n16; c += 32 * kUnroll) {
-      uint4 v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) v[u] = ld16(src + c + 32 * u);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) st16(dst + c + 32 * u, v[u]);
-    }
-    for (; c < n16; c += 32) st16(dst + c, ld16(src + c));
-  }
-}
-
-__device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 p = __bfloat1622float2(h[j]);
-    f[2 * j] = p.x;
-    f[2 * j + 1] = p.y;
-  }
+  push_rows_to_source_slots(y, row_src_rank, row_src_slot, expert_offsets, nle, capacity, comb_bufs, H);
 }
 
 // grid (ceil(H / 8 / blockDim), T): one thread per 8 columns of one token.

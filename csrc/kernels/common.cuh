@@ -115,6 +115,59 @@ __device__ __forceinline__ bool watchdog_expired(const Watchdog& w, uint64_t t0,
 __device__ __forceinline__ uint4 ld16(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 __device__ __forceinline__ void st16(void* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
 
+// 8 bf16 <-> 8 fp32 (one 16-byte vector); packing rounds to nearest.
+__device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 p = __bfloat1622float2(h[j]);
+    f[2 * j] = p.x;
+    f[2 * j + 1] = p.y;
+  }
+}
+
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  uint4 o;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);
+  return o;
+}
+
+// One warp copies a row of n16 16-byte vectors, UNROLL loads in flight per lane.
+template <int UNROLL = 4>
+__device__ __forceinline__ void warp_copy_row(uint4* __restrict__ dst, const uint4* __restrict__ src, int n16, int lane) {
+  int c = lane;
+  for (; c + 32 * (UNROLL - 1) < n16; c += 32 * UNROLL) {
+    uint4 v[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) v[u] = ld16(src + c + 32 * u);
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) st16(dst + c + 32 * u, v[u]);
+  }
+  for (; c < n16; c += 32) st16(dst + c, ld16(src + c));
+}
+
+// Push each routed row into slot row_src_slot of its source rank's [T * k, H] buffer (one warp per
+// row, grid-strided; padding rows skipped). Slots are unique, so plain stores: no atomics.
+__device__ __forceinline__ void push_rows_to_source_slots(const __nv_bfloat16* __restrict__ rows,
+                                                          const int* __restrict__ row_src_rank,
+                                                          const int* __restrict__ row_src_slot,
+                                                          const int* __restrict__ expert_offsets, int nle,
+                                                          int capacity, const PeerPtrs& slot_bufs, int H) {
+  const int total = min(expert_offsets[nle], capacity);
+  const int lane = threadIdx.x % 32;
+  const int warps = gridDim.x * (blockDim.x / 32);
+  const int n16 = H / 8;
+  for (int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; row < total; row += warps) {
+    const int dst_rank = row_src_rank[row];
+    if (dst_rank < 0) continue;
+    const int64_t slot = row_src_slot[row];
+    uint4* dst = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(slot_bufs.p[dst_rank]) + slot * H);
+    warp_copy_row(dst, reinterpret_cast<const uint4*>(rows + static_cast<int64_t>(row) * H), n16, lane);
+  }
+}
+
 // ---- mbarrier -------------------------------------------------------------------------------
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {

@@ -6,19 +6,6 @@
 namespace mok {
 namespace {
 
-constexpr int kUnroll = 4;
-
-__device__ __forceinline__ void copy_row(uint4* __restrict__ dst, const uint4* __restrict__ src, int n16, int lane) {
-  int c = lane;
-  for (; c + 32 * (kUnroll - 1) < n16; c += 32 * kUnroll) {
-    uint4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = ld16(src + c + 32 * u);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) st16(dst + c + 32 * u, v[u]);
-  }
-  for (; c < n16; c += 32) st16(dst + c, ld16(src + c));
-}
 
 __global__ void dispatch_kernel(const int* __restrict__ row_src_rank, const int* __restrict__ row_src_slot,
                                 const int* __restrict__ expert_offsets, int nle, int capacity, PeerPtrs x_bufs,
@@ -36,7 +23,7 @@ __global__ void dispatch_kernel(const int* __restrict__ row_src_rank, const int*
       const int token = row_src_slot[row] / k;
       const uint4* s =
           reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(x_bufs.p[src]) + static_cast<int64_t>(token) * H);
-      copy_row(dst, s, n16, lane);
+      warp_copy_row(dst, s, n16, lane);
     }
   }
 }

@@ -130,18 +130,6 @@ __device__ __forceinline__ void wait_counter(const int* ctr, int target, const W
 
 // ---- comm role: pull-dispatch -------------------------------------------------------------------
 
-__device__ __forceinline__ void copy_row(uint4* __restrict__ dst, const uint4* __restrict__ src, int n16, int lane) {
-  int c = lane;
-  for (; c + 32 * (kCopyUnroll - 1) < n16; c += 32 * kCopyUnroll) {
-    uint4 v[kCopyUnroll];
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) v[u] = ld16(src + c + 32 * u);
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) st16(dst + c + 32 * u, v[u]);
-  }
-  for (; c < n16; c += 32) st16(dst + c, ld16(src + c));
-}
-
 // Warp-granular units of kUnitRows rows, in increasing order over all dispatching warps, so the
 // first m-tiles become ready first. Padding rows (src < 0) are zero-filled, as in dispatch.cu.
 __device__ void dispatch_rows(const Params& p, int role) {
@@ -165,7 +153,7 @@ __device__ void dispatch_rows(const Params& p, int role) {
       } else {
         const uint4* s =
             reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.x_bufs.p[src]) + static_cast<int64_t>(tok) * p.H);
-        copy_row(dst, s, n16, lane);
+        warp_copy_row<kCopyUnroll>(dst, s, n16, lane);
       }
     }
     // TMA (async proxy) of other CTAs reads these rows once the counter says so.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 import torch
 
@@ -83,3 +84,46 @@ def schedules_equal(a, b) -> list[str]:
         if ta.shape != tb.shape or ta.dtype != tb.dtype or not torch.equal(ta, tb):
             bad.append(name)
     return bad
+
+
+# ---- two-rank suites ---------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _suite_worker(rank: int, world: int, port: int, out_dir: str, suite) -> None:
+    os.environ.update(NO_MULTICAST_ENV)
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    try:
+        lines = suite(rank, world)
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write("\n".join(lines))
+
+
+def run_two_rank_suite(suite, tmp_path) -> None:
+    """Run ``suite(rank, world)`` (a module-level function returning 'PASS name' / 'FAIL name: why'
+    lines) on 2 GPUs over NCCL; print the PASS/FAIL lines and fail if any check failed."""
+    import torch.multiprocessing as mp
+
+    os.environ.update(NO_MULTICAST_ENV)
+    mp.spawn(_suite_worker, args=(2, _free_port(), str(tmp_path), suite), nprocs=2, join=True)
+    report = []
+    for r in range(2):
+        report += [f"rank{r} {line}" for line in (tmp_path / f"rank{r}.txt").read_text().splitlines()
+                   if line.startswith(("PASS", "FAIL"))]
+    full = "\n".join((tmp_path / f"rank{r}.txt").read_text() for r in range(2))
+    print("\n".join(report))
+    assert not any(" FAIL " in f" {line}" for line in report), full

@@ -3,14 +3,12 @@ collectives, torch symmetric memory (CUDA backend, no multicast) for the kernels
 
 from __future__ import annotations
 
-import os
-import socket
 import traceback
 
 import pytest
 import torch
 
-from ._util import NO_MULTICAST_ENV, extension_ready
+from ._util import extension_ready, run_two_rank_suite
 
 _ok, _why = extension_ready()
 pytestmark = [
@@ -19,12 +17,6 @@ pytestmark = [
     pytest.mark.skipif(not _ok, reason=_why),
     pytest.mark.skipif(_ok and torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _suite(rank: int, world: int) -> list[str]:
@@ -197,33 +189,5 @@ def _suite(rank: int, world: int) -> list[str]:
     return lines
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(NO_MULTICAST_ENV)
-    import torch.distributed as dist
-
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
-    try:
-        lines = _suite(rank, world)
-    finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
-    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-        f.write("\n".join(lines))
-
-
 def test_ep2_suite(tmp_path):
-    import torch.multiprocessing as mp
-
-    os.environ.update(NO_MULTICAST_ENV)
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
-    report = []
-    for r in range(2):
-        report += [f"rank{r} {line}" for line in (tmp_path / f"rank{r}.txt").read_text().splitlines()
-                   if line.startswith(("PASS", "FAIL"))]
-    full = "\n".join((tmp_path / f"rank{r}.txt").read_text() for r in range(2))
-    print("\n".join(report))
-    assert not any(" FAIL " in f" {line}" for line in report), full
+    run_two_rank_suite(_suite, tmp_path)
