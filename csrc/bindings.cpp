@@ -43,27 +43,6 @@ uint64_t timeout_ns_of(double timeout_s) {
   return ns > 1.8e19 ? UINT64_MAX : static_cast<uint64_t>(ns);
 }
 
-// The all-gather and the barrier that completes it (one launch); zero_buf is zeroed on the way.
-void gather_routing(const Tensor& top_experts, Tensor& state, Tensor& errors, Tensor& zero_buf,
-                    std::vector<int64_t> peer_bufs, std::vector<int64_t> peer_flags, int64_t rank,
-                    int64_t num_experts, double timeout_s) {
-  TORCH_CHECK(top_experts.is_cuda() && top_experts.is_contiguous(), "megatron_mok: top_experts must be contiguous CUDA");
-  TORCH_CHECK(top_experts.scalar_type() == at::kInt || top_experts.scalar_type() == at::kLong,
-              "megatron_mok: top_experts must be int32 or int64");
-  check_cuda(state, "state", at::kInt);
-  check_cuda(errors, "errors", at::kInt);
-  check_cuda(zero_buf, "zero_buf", at::kInt);
-  TORCH_CHECK(peer_flags.size() == peer_bufs.size(), "megatron_mok: peer_flags and peer_bufs differ in length");
-  c10::cuda::CUDAGuard guard(top_experts.device());
-  check(mok::launch_gather_routing(top_experts.data_ptr(), top_experts.scalar_type() == at::kLong,
-                                   static_cast<int>(top_experts.numel()), peers(peer_bufs, "peer_bufs"),
-                                   state.data_ptr<int>(), errors.data_ptr<int>(), peers(peer_flags, "peer_flags"),
-                                   timeout_ns_of(timeout_s), zero_buf.data_ptr<int>(),
-                                   static_cast<int>(zero_buf.numel()), static_cast<int>(rank),
-                                   static_cast<int>(peer_bufs.size()), static_cast<int>(num_experts),
-                                   current_stream()));
-}
-
 void barrier(Tensor& state, Tensor& errors, std::vector<int64_t> peer_flags, int64_t rank, double timeout_s,
              int64_t bump_gather) {
   check_cuda(state, "state", at::kInt);
@@ -74,41 +53,62 @@ void barrier(Tensor& state, Tensor& errors, std::vector<int64_t> peer_flags, int
                             static_cast<int>(bump_gather), current_stream()));
 }
 
-// dst (this rank's symmetric buffer) <- src, then a barrier (one launch).
+// dst (this rank's symmetric buffer) <- src, then a barrier (one launch); probs (fp32 [T, k],
+// optional): non-finite router weights are flagged in errors before the barrier.
 void publish_barrier(const Tensor& src, Tensor& dst, Tensor& state, Tensor& errors, std::vector<int64_t> peer_flags,
-                     int64_t rank, double timeout_s) {
+                     int64_t rank, double timeout_s, const std::optional<Tensor>& probs) {
   TORCH_CHECK(src.is_cuda() && src.is_contiguous() && dst.is_cuda() && dst.is_contiguous(),
               "megatron_mok: publish_barrier src/dst must be contiguous CUDA tensors");
   TORCH_CHECK(src.scalar_type() == dst.scalar_type() && src.numel() == dst.numel(),
               "megatron_mok: publish_barrier src and dst differ in dtype or size");
   check_cuda(state, "state", at::kInt);
   check_cuda(errors, "errors", at::kInt);
+  const float* p = nullptr;
+  int n_probs = 0, k = 1;
+  if (probs.has_value()) {
+    check_cuda(*probs, "probs", at::kFloat);
+    TORCH_CHECK(probs->dim() == 2 && probs->size(1) > 0, "megatron_mok: probs must be [T, k]");
+    p = probs->data_ptr<float>();
+    n_probs = static_cast<int>(probs->numel());
+    k = static_cast<int>(probs->size(1));
+  }
   c10::cuda::CUDAGuard guard(src.device());
-  check(mok::launch_publish_barrier(src.data_ptr(), dst.data_ptr(), static_cast<int64_t>(src.nbytes()),
+  check(mok::launch_publish_barrier(src.data_ptr(), dst.data_ptr(), static_cast<int64_t>(src.nbytes()), p, n_probs, k,
                                     peers(peer_flags, "peer_flags"), state.data_ptr<int>(), errors.data_ptr<int>(),
                                     static_cast<int>(rank), static_cast<int>(peer_flags.size()),
                                     timeout_ns_of(timeout_s), current_stream()));
 }
 
-void build_schedule(const Tensor& routing_buf, const Tensor& state, Tensor& errors, Tensor& top_all,
+// Routing all-gather (peer stores into every rank's routing buffer), barrier, and the schedule: one
+// launch. routing_buf: this rank's [2, ep, T, k] buffer (peer_bufs[rank] maps the same memory).
+void build_schedule(const Tensor& top_experts, Tensor& routing_buf, Tensor& state, Tensor& errors, Tensor& top_all,
                     Tensor& row_src_rank, Tensor& row_src_slot, Tensor& expert_counts, Tensor& expert_offsets,
-                    Tensor& scratch, int64_t rank, int64_t num_experts) {
-  for (auto* t : {&routing_buf, &state}) check_cuda(*t, "schedule input", at::kInt);
-  for (auto* t : {&errors, &top_all, &row_src_rank, &row_src_slot, &expert_counts, &expert_offsets, &scratch})
-    check_cuda(*t, "schedule output", at::kInt);
+                    Tensor& scratch, std::vector<int64_t> peer_bufs, std::vector<int64_t> peer_flags, int64_t rank,
+                    int64_t num_experts, double timeout_s) {
+  TORCH_CHECK(top_experts.is_cuda() && top_experts.is_contiguous(), "megatron_mok: top_experts must be contiguous CUDA");
+  TORCH_CHECK(top_experts.scalar_type() == at::kInt || top_experts.scalar_type() == at::kLong,
+              "megatron_mok: top_experts must be int32 or int64");
+  for (auto* t : {&routing_buf, &state, &errors, &top_all, &row_src_rank, &row_src_slot, &expert_counts,
+                  &expert_offsets, &scratch})
+    check_cuda(*t, "schedule tensor", at::kInt);
   TORCH_CHECK(top_all.dim() == 3, "megatron_mok: top_all must be [ep, T, k]");
   const int ep = top_all.size(0), T = top_all.size(1), k = top_all.size(2);
   const int nle = expert_counts.numel();
+  TORCH_CHECK(top_experts.numel() == static_cast<int64_t>(T) * k, "megatron_mok: top_experts must be [T, k]");
   TORCH_CHECK(routing_buf.numel() == 2 * top_all.numel(), "megatron_mok: routing buffer must be [2, ep, T, k]");
+  TORCH_CHECK(peer_bufs.size() == static_cast<size_t>(ep) && peer_flags.size() == peer_bufs.size(),
+              "megatron_mok: peer_bufs and peer_flags must list the ", ep, " ranks of top_all");
   TORCH_CHECK(expert_offsets.numel() == nle + 1, "megatron_mok: expert_offsets must have nle + 1 entries");
   TORCH_CHECK(row_src_slot.numel() == row_src_rank.numel(), "megatron_mok: row arrays differ in size");
   TORCH_CHECK(scratch.numel() >= mok::schedule_scratch_ints(ep, T, nle, num_experts), "megatron_mok: scratch too small");
   c10::cuda::CUDAGuard guard(top_all.device());
-  check(mok::launch_schedule(routing_buf.data_ptr<int>(), state.data_ptr<int>(), errors.data_ptr<int>(),
+  check(mok::launch_schedule(top_experts.data_ptr(), top_experts.scalar_type() == at::kLong,
+                             routing_buf.data_ptr<int>(), peers(peer_bufs, "peer_bufs"),
+                             peers(peer_flags, "peer_flags"), state.data_ptr<int>(), errors.data_ptr<int>(),
                              top_all.data_ptr<int>(), row_src_rank.data_ptr<int>(), row_src_slot.data_ptr<int>(),
                              expert_counts.data_ptr<int>(), expert_offsets.data_ptr<int>(), scratch.data_ptr<int>(),
                              static_cast<int>(rank), ep, T, k, nle, static_cast<int>(num_experts),
-                             static_cast<int>(row_src_rank.numel()), current_stream()));
+                             static_cast<int>(row_src_rank.numel()), timeout_ns_of(timeout_s), current_stream()));
 }
 
 void dispatch(const Tensor& row_src_rank, const Tensor& row_src_slot, const Tensor& expert_offsets, Tensor& x_routed,
@@ -124,7 +124,8 @@ void dispatch(const Tensor& row_src_rank, const Tensor& row_src_slot, const Tens
 }
 
 void grouped_gemm(const Tensor& a, const Tensor& b, const std::optional<Tensor>& seg_offsets,
-                  const std::optional<Tensor>& seg_counts, Tensor& out, bool swiglu, int64_t num_ctas) {
+                  const std::optional<Tensor>& seg_counts, Tensor& out, const std::optional<Tensor>& pre_out,
+                  bool swiglu, int64_t num_ctas) {
   check_cuda(a, "a", at::kBFloat16);
   check_cuda(b, "b", at::kBFloat16);
   check_cuda(out, "out", at::kBFloat16);
@@ -149,10 +150,18 @@ void grouped_gemm(const Tensor& a, const Tensor& b, const std::optional<Tensor>&
     TORCH_CHECK(seg && seg_counts->numel() == nseg, "megatron_mok: seg_counts needs seg_offsets and nseg entries");
     counts = seg_counts->data_ptr<int>();
   }
+  void* pre = nullptr;
+  if (pre_out.has_value()) {
+    TORCH_CHECK(swiglu, "megatron_mok: gemm pre_out needs swiglu");
+    check_cuda(*pre_out, "pre_out", at::kBFloat16);
+    TORCH_CHECK(pre_out->dim() == 2 && pre_out->size(0) == a.size(0) && pre_out->size(1) == 2 * N,
+                "megatron_mok: gemm pre_out must be [M, 2 N]");
+    pre = pre_out->data_ptr();
+  }
   c10::cuda::CUDAGuard guard(a.device());
   check(mok::launch_grouped_gemm(swiglu, a.data_ptr(), a.size(0), static_cast<int>(K), b.data_ptr(),
-                                 static_cast<int>(b_rows), seg, counts, nseg, out.data_ptr(), static_cast<int>(N),
-                                 static_cast<int>(num_ctas), current_stream()));
+                                 static_cast<int>(b_rows), seg, counts, nseg, out.data_ptr(), pre,
+                                 static_cast<int>(N), static_cast<int>(num_ctas), current_stream()));
 }
 
 void combine(const Tensor& y, const Tensor& row_src_rank, const Tensor& row_src_slot, const Tensor& expert_offsets,
@@ -218,7 +227,8 @@ void moe_epilogue_wait(const Tensor& comb, const Tensor& probs, const std::optio
 void megakernel(const Tensor& x, const Tensor& fc1, const Tensor& fc2, const std::optional<Tensor>& shared_fc1,
                 const std::optional<Tensor>& shared_fc2, const Tensor& row_src_rank, const Tensor& row_src_slot,
                 const Tensor& expert_counts, const Tensor& expert_offsets, Tensor& x_routed, Tensor& act,
-                Tensor& y_routed, Tensor& shared_act, Tensor& shared_y, Tensor& counters, Tensor& state,
+                const std::optional<Tensor>& h, Tensor& y_routed, Tensor& shared_act,
+                const std::optional<Tensor>& shared_h, Tensor& shared_y, Tensor& counters, Tensor& state,
                 Tensor& errors, std::vector<int64_t> peer_x, std::vector<int64_t> peer_comb,
                 std::vector<int64_t> peer_flags, int64_t rank, int64_t topk, int64_t num_comm, int64_t num_compute,
                 int64_t minibatch_rows, double timeout_s) {
@@ -235,6 +245,10 @@ void megakernel(const Tensor& x, const Tensor& fc1, const Tensor& fc2, const std
   TORCH_CHECK(x_routed.dim() == 2 && x_routed.size(0) == cap && x_routed.size(1) == H, "megatron_mok: x_routed [cap, H]");
   TORCH_CHECK(act.dim() == 2 && act.size(0) == cap && act.size(1) == I, "megatron_mok: act [cap, I]");
   TORCH_CHECK(y_routed.dim() == 2 && y_routed.size(0) == cap && y_routed.size(1) == H, "megatron_mok: y_routed [cap, H]");
+  if (h.has_value()) {
+    check_cuda(*h, "h", at::kBFloat16);
+    TORCH_CHECK(h->dim() == 2 && h->size(0) == cap && h->size(1) == 2 * I, "megatron_mok: h [cap, 2I]");
+  }
   TORCH_CHECK(counters.numel() >= mok::megakernel_counter_ints(static_cast<int>(cap), static_cast<int>(T)),
               "megatron_mok: megakernel counters too small");
   TORCH_CHECK(shared_fc1.has_value() == shared_fc2.has_value(), "megatron_mok: shared_fc1 / shared_fc2 go together");
@@ -251,6 +265,11 @@ void megakernel(const Tensor& x, const Tensor& fc1, const Tensor& fc2, const std
     TORCH_CHECK(shared_act.dim() == 2 && shared_act.size(0) == T && shared_act.size(1) == Is,
                 "megatron_mok: shared_act [T, Is]");
     TORCH_CHECK(shared_y.dim() == 2 && shared_y.size(0) == T && shared_y.size(1) == H, "megatron_mok: shared_y [T, H]");
+    if (shared_h.has_value()) {
+      check_cuda(*shared_h, "shared_h", at::kBFloat16);
+      TORCH_CHECK(shared_h->dim() == 2 && shared_h->size(0) == T && shared_h->size(1) == 2 * Is,
+                  "megatron_mok: shared_h [T, 2Is]");
+    }
   }
   TORCH_CHECK(peer_x.size() == peer_comb.size() && peer_x.size() == peer_flags.size(),
               "megatron_mok: peer lists differ in length");
@@ -266,8 +285,10 @@ void megakernel(const Tensor& x, const Tensor& fc1, const Tensor& fc2, const std
   a.expert_offsets = expert_offsets.data_ptr<int>();
   a.x_routed = x_routed.data_ptr();
   a.act = act.data_ptr();
+  a.h = h.has_value() ? h->data_ptr() : nullptr;
   a.y_routed = y_routed.data_ptr();
   a.shared_act = shared_fc1.has_value() ? shared_act.data_ptr() : nullptr;
+  a.shared_h = shared_fc1.has_value() && shared_h.has_value() ? shared_h->data_ptr() : nullptr;
   a.shared_y = shared_fc1.has_value() ? shared_y.data_ptr() : nullptr;
   a.counters = counters.data_ptr<int>();
   a.state = state.data_ptr<int>();
@@ -408,22 +429,20 @@ void bwd_epilogue_wait(const Tensor& slots, const Tensor& dw_slots, const std::o
 
 TORCH_LIBRARY(megatron_mok, m) {
   m.def(
-      "gather_routing(Tensor top_experts, Tensor(a!) state, Tensor(b!) errors, Tensor(c!) zero_buf, int[] peer_bufs, "
-      "int[] peer_flags, int rank, int num_experts, float timeout_s) -> ()");
-  m.def(
       "publish_barrier(Tensor src, Tensor(a!) dst, Tensor(b!) state, Tensor(c!) errors, int[] peer_flags, int rank, "
-      "float timeout_s) -> ()");
+      "float timeout_s, Tensor? probs=None) -> ()");
   m.def("barrier(Tensor(a!) state, Tensor(b!) errors, int[] peer_flags, int rank, float timeout_s, int bump_gather) -> ()");
   m.def(
-      "build_schedule(Tensor routing_buf, Tensor state, Tensor(a!) errors, Tensor(b!) top_all, Tensor(c!) row_src_rank, "
-      "Tensor(d!) row_src_slot, Tensor(e!) expert_counts, Tensor(f!) expert_offsets, Tensor(g!) scratch, int rank, "
-      "int num_experts) -> ()");
+      "build_schedule(Tensor top_experts, Tensor(a!) routing_buf, Tensor(b!) state, Tensor(c!) errors, "
+      "Tensor(d!) top_all, Tensor(e!) row_src_rank, Tensor(f!) row_src_slot, Tensor(g!) expert_counts, "
+      "Tensor(h!) expert_offsets, Tensor(i!) scratch, int[] peer_bufs, int[] peer_flags, int rank, int num_experts, "
+      "float timeout_s) -> ()");
   m.def(
       "dispatch(Tensor row_src_rank, Tensor row_src_slot, Tensor expert_offsets, Tensor(a!) x_routed, int[] peer_x, "
       "int topk, int num_ctas) -> ()");
   m.def(
-      "grouped_gemm(Tensor a, Tensor b, Tensor? seg_offsets, Tensor? seg_counts, Tensor(a!) out, bool swiglu, "
-      "int num_ctas) -> ()");
+      "grouped_gemm(Tensor a, Tensor b, Tensor? seg_offsets, Tensor? seg_counts, Tensor(a!) out, Tensor(b!)? pre_out, "
+      "bool swiglu, int num_ctas) -> ()");
   m.def(
       "combine(Tensor y, Tensor row_src_rank, Tensor row_src_slot, Tensor expert_offsets, Tensor(a!) state, "
       "int[] peer_comb, int num_ctas) -> ()");
@@ -434,8 +453,8 @@ TORCH_LIBRARY(megatron_mok, m) {
   m.def(
       "megakernel(Tensor x, Tensor fc1, Tensor fc2, Tensor? shared_fc1, Tensor? shared_fc2, Tensor row_src_rank, "
       "Tensor row_src_slot, Tensor expert_counts, Tensor expert_offsets, Tensor(a!) x_routed, Tensor(b!) act, "
-      "Tensor(c!) y_routed, Tensor(d!) shared_act, Tensor(e!) shared_y, Tensor(f!) counters, Tensor(g!) state, "
-      "Tensor(h!) errors, int[] peer_x, int[] peer_comb, int[] peer_flags, int rank, int topk, int num_comm, "
+      "Tensor(i!)? h, Tensor(c!) y_routed, Tensor(d!) shared_act, Tensor(j!)? shared_h, Tensor(e!) shared_y, "
+      "Tensor(f!) counters, Tensor(g!) state, Tensor(h!) errors, int[] peer_x, int[] peer_comb, int[] peer_flags, int rank, int topk, int num_comm, "
       "int num_compute, int minibatch_rows, float timeout_s) -> ()");
   m.def(
       "bwd_publish(Tensor grad_out, Tensor(a!) g_dst, Tensor probs, Tensor(b!) p_dst, Tensor(c!) state, "
@@ -454,7 +473,6 @@ TORCH_LIBRARY(megatron_mok, m) {
 }
 
 TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
-  m.impl("gather_routing", &gather_routing);
   m.impl("publish_barrier", &publish_barrier);
   m.impl("barrier", &barrier);
   m.impl("build_schedule", &build_schedule);

@@ -32,6 +32,9 @@ class MoKConfig:
     precision: "bf16" (supported) or "fp8" (block-scaled e4m3, not implemented yet).
     peer_timeout_s: how long a device-side wait on a peer rank may spin before it reports a
         stalled peer instead of hanging.
+    save_gate_up: keep the gate/up GEMM outputs for the backward (2 I bf16 per routed row, 2 Is
+        per token for the shared expert); False: the backward recomputes them (one gate/up GEMM
+        more, same bits).
     """
 
     fwd_comm_sms: int = 24
@@ -41,6 +44,7 @@ class MoKConfig:
     capacity_factor: float = 1.0
     precision: str = "bf16"
     peer_timeout_s: float = 30.0
+    save_gate_up: bool = True
 
     def __post_init__(self) -> None:
         for name in ("fwd_comm_sms", "bwd_comm_sms", "minibatch_rows", "macrobatch_rows"):
@@ -70,6 +74,8 @@ class MoKConfig:
             raise MoKConfigError(
                 f"MoKConfig.precision must be one of {PRECISIONS}, got {self.precision!r}"
             )
+        if not isinstance(self.save_gate_up, bool):
+            raise MoKConfigError(f"MoKConfig.save_gate_up must be a bool, got {self.save_gate_up!r}")
         t = self.peer_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 < t < math.inf):
             raise MoKConfigError(f"MoKConfig.peer_timeout_s must be a positive finite number, got {t!r}")

@@ -102,8 +102,10 @@ def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1,
             shared_fc1=None, shared_fc2=None):
     """One MoE layer forward. Returns ``(out [T, H], ctx)``; ctx feeds ``backward``."""
     check_inputs(ws, x, probs, fc1, fc2, shared_fc1, shared_fc2)
-    flag_nonfinite_probs(ws, probs)
-    if _use_kernels(x):
+    use_kernels = _use_kernels(x)
+    if not (use_kernels and _kernel_path().checks_probs_on_device(ws, x, fc1, shared_fc1)):
+        flag_nonfinite_probs(ws, probs)  # the mega kernel path checks probs in its first launch
+    if use_kernels:
         if not torch.cuda.is_current_stream_capturing():
             ws.check_errors()  # sync-free: raises errors of earlier calls once their copy landed
         return _kernel_path().forward(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2)

@@ -7,13 +7,14 @@ follow docs/ARCHITECTURE.md. They never synchronise with the host (no ``.item()`
 once the workspace's symmetric buffers exist (the first call on a workspace creates them; that
 first call is collective and host-blocking, like ``symm_mem.rendezvous``).
 
-Schedule (3 launches): routing all-gather fused with its barrier; count (+ the scan in its last
-block); fill.
+Schedule (1 launch): routing all-gather by peer stores, its barrier, count, scan and fill, phases
+separated by in-kernel releases (csrc/kernels/schedule.cu).
 
 Forward, per rank, two implementations with the same bits (``path=`` or ``MOK_FORWARD``):
 
 * ``"mega"`` (default, stage 4), 3 launches:
-  1. ``publish_barrier``: copy ``x`` into this rank's symmetric ``x`` buffer, device barrier;
+  1. ``publish_barrier``: copy ``x`` into this rank's symmetric ``x`` buffer, flag non-finite
+     ``probs`` (``ErrorCode.NONFINITE_PROBS``), device barrier;
   2. ``megakernel``: the first ``fwd_comm_sms`` CTAs pull-dispatch the scheduled rows from the
      peers' ``x`` buffers (then compute); all CTAs run one fixed task list (shared gate/up, shared
      down, then per minibatch routed gate/up and down tiles) behind local ready counters; the
@@ -49,7 +50,7 @@ from .config import MoKConfig
 from .schedule import MoKSchedule, validate_top_experts
 from .workspace import MoKWorkspace
 
-STATE_INTS = 8  # csrc/kernels/launch.h: StateSlot
+STATE_INTS = 16  # csrc/kernels/launch.h: StateSlot
 FORWARD_PATHS = ("mega", "staged")
 # Default forward implementation; MOK_FORWARD=staged selects the stage-2 launches (same bits).
 FORWARD_PATH = os.environ.get("MOK_FORWARD", "mega")
@@ -64,14 +65,21 @@ class KernelContext:
 
     Rows at or past ``sched.expert_offsets[nle]`` are never written (undefined); padding rows
     inside an expert segment hold zeros in ``x_routed`` (and the matching GEMM outputs).
-    The gate/up pre-activations are not stored: the backward recomputes them from ``x_routed``
-    (one gate/up GEMM), as MoK does for the macrobatches it does not keep.
+    ``h`` / ``shared_h``: the gate/up pre-activations, written by the same GEMM epilogue that
+    activates them (``MoKConfig.save_gate_up``); None: the backward recomputes them with that GEMM
+    (same bits, one gate/up GEMM more, 2 I (2 Is) bf16 less per routed row (token)).
     """
 
     x_routed: torch.Tensor  # [cap, H] dispatched rows
     act: torch.Tensor  # [cap, I] silu(x_routed @ gate^T) * (x_routed @ up^T)
     y_routed: torch.Tensor  # [cap, H] unweighted expert outputs (router-weight gradient)
     shared_act: torch.Tensor | None  # [T, Is] SwiGLU output of the shared expert
+    h: torch.Tensor | None = None  # [cap, 2I] [x_routed @ gate^T | x_routed @ up^T]
+    shared_h: torch.Tensor | None = None  # [T, 2Is]
+
+    def nbytes(self) -> int:
+        """Bytes this context holds (the activation memory the layer keeps for its backward)."""
+        return sum(t.numel() * t.element_size() for t in dataclasses.astuple(self) if isinstance(t, torch.Tensor))
 
 
 class _Comm:
@@ -165,18 +173,17 @@ def build_schedule(cfg: MoKConfig, ws: MoKWorkspace, top_experts: torch.Tensor) 
     counts = torch.empty((nle,), **i32)
     offsets = torch.empty((nle + 1,), **i32)
     scratch = torch.empty((ops.schedule_scratch_ints(ep, T, nle, ws.num_experts),), **i32)
-    hist = scratch[ops.schedule_histogram_offset(ep, T, nle):]  # zeroed by the gather launch
-    ops.gather_routing(top_experts.contiguous(), c.state, ws.errors, hist, c.route_ptrs, c.flag_ptrs, ws.rank,
-                       ws.num_experts, cfg.peer_timeout_s)
-    ops.build_schedule(c.route_buf, c.state, ws.errors, top_all, row_src_rank, row_src_slot, counts, offsets,
-                       scratch, ws.rank, ws.num_experts)
+    ops.build_schedule(top_experts.contiguous(), c.route_buf, c.state, ws.errors, top_all, row_src_rank, row_src_slot,
+                       counts, offsets, scratch, c.route_ptrs, c.flag_ptrs, ws.rank, ws.num_experts,
+                       cfg.peer_timeout_s)
     return MoKSchedule(top_all, row_src_rank, row_src_slot, counts, offsets)
 
 
 # ---- forward ------------------------------------------------------------------------------------
 
 
-def _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1, *, gemm_ctas=0, comm_ctas=0) -> KernelContext:
+def _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1, *, keep_gate_up: bool, gemm_ctas=0,
+                          comm_ctas=0) -> KernelContext:
     """Steps 1-4 of the forward. Peers may still read this rank's x buffer afterwards: the caller
     ends with a barrier before any rank rewrites it (``forward``: before the epilogue)."""
     c = _comm(ws)
@@ -188,15 +195,18 @@ def _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1, *, gemm_ctas=
     ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
     x_routed = torch.empty((cap, H), **bf16)
     ops.dispatch(sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, x_routed, x_ptrs, k, comm_ctas)
-    shared_act = None
+    shared_act = shared_h = None
     if shared_fc1 is not None:
         shared_act = torch.empty((T, shared_fc1.shape[0] // 2), **bf16)
-        ops.grouped_gemm(x.contiguous(), shared_fc1.contiguous(), None, shared_act, True, gemm_ctas)
+        shared_h = torch.empty((T, shared_fc1.shape[0]), **bf16) if keep_gate_up else None
+        ops.grouped_gemm(x.contiguous(), shared_fc1.contiguous(), None, shared_act, True, gemm_ctas, pre_out=shared_h)
     act = torch.empty((cap, I), **bf16)
-    ops.grouped_gemm(x_routed, fc1.contiguous(), sched.expert_offsets, act, True, gemm_ctas, sched.expert_counts)
+    h = torch.empty((cap, 2 * I), **bf16) if keep_gate_up else None
+    ops.grouped_gemm(x_routed, fc1.contiguous(), sched.expert_offsets, act, True, gemm_ctas, sched.expert_counts,
+                     pre_out=h)
     y_routed = torch.empty((cap, H), **bf16)
     ops.grouped_gemm(act, fc2.contiguous(), sched.expert_offsets, y_routed, False, gemm_ctas, sched.expert_counts)
-    return KernelContext(x_routed, act, y_routed, shared_act)
+    return KernelContext(x_routed, act, y_routed, shared_act, h, shared_h)
 
 
 def _forward_mega(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, out, gemm_ctas, comm_ctas):
@@ -209,27 +219,37 @@ def _forward_mega(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, ou
     x = x.contiguous()
     if x.data_ptr() % 16:
         x = x.clone()
-    ops.publish_barrier(x, xs, c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
+    ops.publish_barrier(x, xs, c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s, probs.contiguous())
     x_routed = torch.empty((cap, H), **bf16)
     act = torch.empty((cap, I), **bf16)
+    h = torch.empty((cap, 2 * I), **bf16) if cfg.save_gate_up else None
     y_routed = torch.empty((cap, H), **bf16)
+    shared_h = None
     if shared_fc1 is not None:
         shared_fc1, shared_fc2 = shared_fc1.contiguous(), shared_fc2.contiguous()
         shared_act = torch.empty((T, shared_fc1.shape[0] // 2), **bf16)
+        shared_h = torch.empty((T, shared_fc1.shape[0]), **bf16) if cfg.save_gate_up else None
         shared_y = torch.empty((T, H), **bf16)
     else:
         shared_act = shared_y = torch.empty((0,), **bf16)
     counters = c.counters(ops.megakernel_counter_ints(cap, T))
     ops.megakernel(x, fc1.contiguous(), fc2.contiguous(), shared_fc1, shared_fc2, sched.row_src_rank,
-                   sched.row_src_slot, sched.expert_counts, sched.expert_offsets, x_routed, act, y_routed, shared_act,
-                   shared_y, counters, c.state, ws.errors, x_ptrs, comb_ptrs, c.flag_ptrs, ws.rank, k,
+                   sched.row_src_slot, sched.expert_counts, sched.expert_offsets, x_routed, act, h, y_routed,
+                   shared_act, shared_h, shared_y, counters, c.state, ws.errors, x_ptrs, comb_ptrs, c.flag_ptrs, ws.rank, k,
                    comm_ctas if comm_ctas > 0 else cfg.fwd_comm_sms, gemm_ctas, cfg.minibatch_rows,
                    min(cfg.peer_timeout_s, MEGA_WATCHDOG_S))
     if out is None:
         out = torch.empty((T, H), **bf16)
     ops.moe_epilogue_wait(comb, probs.contiguous(), shared_y if shared_fc1 is not None else None, out, c.state,
                           ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
-    return out, KernelContext(x_routed, act, y_routed, shared_act if shared_fc1 is not None else None)
+    return out, KernelContext(x_routed, act, y_routed, shared_act if shared_fc1 is not None else None, h, shared_h)
+
+
+def checks_probs_on_device(ws: MoKWorkspace, x, fc1, shared_fc1=None, path: str | None = None) -> bool:
+    """True when ``forward`` with these arguments flags non-finite ``probs`` itself (the mega path,
+    inside ``publish_barrier``); the staged and reference paths leave that to the caller
+    (``functional.flag_nonfinite_probs``)."""
+    return (path or FORWARD_PATH) == "mega" and _unsupported_reason(ws, x, fc1, shared_fc1) is None
 
 
 def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1, fc2, shared_fc1=None,
@@ -255,7 +275,8 @@ def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1,
     c = _comm(ws)
     T, H, k = ws.num_tokens, ws.hidden, ws.topk
     comb, comb_ptrs = c.buffer("comb", (T * k, H), torch.bfloat16)
-    ctx = _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1, gemm_ctas=gemm_ctas, comm_ctas=comm_ctas)
+    ctx = _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1, keep_gate_up=cfg.save_gate_up,
+                                gemm_ctas=gemm_ctas, comm_ctas=comm_ctas)
     shared_y = None
     if shared_fc1 is not None:
         shared_y = torch.empty((T, H), dtype=torch.bfloat16, device=ws.device)
@@ -270,12 +291,13 @@ def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1,
 
 
 def recompute_forward_context(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, fc1, fc2, shared_fc1=None):
-    """Dispatch and expert GEMMs again (activation checkpointing); no combine."""
+    """Dispatch and expert GEMMs again (activation checkpointing); no combine. The context keeps
+    the gate/up pre-activations: it is made for the backward that follows."""
     reason = _unsupported_reason(ws, x, fc1, shared_fc1)
     if reason is not None:
         _fallback(reason)
         return reference.recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1)
-    ctx = _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1)
+    ctx = _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1, keep_gate_up=True)
     c = _comm(ws)
     # Peers may still read this rank's x buffer: no rank rewrites its buffer before all are done.
     ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
@@ -324,6 +346,19 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
+def _recompute_gate_up(a: torch.Tensor, fc1: torch.Tensor, sched: MoKSchedule | None) -> torch.Tensor:
+    """The gate/up pre-activations a forward did not keep, from the forward's own SwiGLU GEMM (its
+    tile layout and K order, so they carry the forward's bits); the activation is discarded."""
+    two_i = fc1.shape[-2]
+    h = torch.empty((a.shape[0], two_i), dtype=torch.bfloat16, device=a.device)
+    act = torch.empty((a.shape[0], two_i // 2), dtype=torch.bfloat16, device=a.device)
+    if sched is None:
+        ops.grouped_gemm(a, fc1, None, act, True, pre_out=h)
+    else:
+        ops.grouped_gemm(a, fc1, sched.expert_offsets, act, True, 0, sched.expert_counts, pre_out=h)
+    return h
+
+
 def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out, x, probs, fc1, fc2,
              shared_fc1=None, shared_fc2=None, main_grads=None, *, comm_ctas: int = 0, path: str | None = None):
     """Gradients of one layer on the device (stage 1). Returns ``functional.MoKGrads``.
@@ -335,8 +370,8 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     2. ``bwd_pull``: every routed row pulls its grad_out row and router weight from the source rank,
        ``dy = w * g`` (bf16), and pushes ``<g, y_routed>`` (the router-weight gradient, fp32, fixed
        order) into the source's symmetric ``[T * k]`` buffer;
-    3. routed experts: ``h = x_routed @ fc1[e]^T`` (our grouped GEMM, the forward's K order),
-       ``da = dy @ fc2[e]``, ``dh = swiglu_backward(h, da)``, ``dfc2[e] = dy^T @ act``,
+    3. routed experts: ``h = x_routed @ fc1[e]^T`` from the context (or, when the forward did not
+       keep it, recomputed by the forward's SwiGLU GEMM: the same bits), ``da = dy @ fc2[e]``, ``dh = swiglu_backward(h, da)``, ``dfc2[e] = dy^T @ act``,
        ``dfc1[e] = dh^T @ x_routed``, ``dx_rows = dh @ fc1[e]`` (``torch._grouped_mm`` with the device
        offsets ``expert_offsets[1:]``: groups stop at the last real segment; padding rows are zero
        so they add nothing); experts without rows get exact zeros (``zero_empty_segments``);
@@ -387,8 +422,7 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
 
     # 3. routed experts
     offs = sched.expert_offsets[1:]  # group ends (device); groups stop at the last real segment
-    h = torch.empty((cap, 2 * I), **bf16)
-    ops.grouped_gemm(ctx.x_routed, fc1, sched.expert_offsets, h, False, 0, sched.expert_counts)
+    h = ctx.h if ctx.h is not None else _recompute_gate_up(ctx.x_routed, fc1, sched)
     da = torch._grouped_mm(dy, fc2, offs=offs)  # [cap, I]
     dh = torch.empty((cap, 2 * I), **bf16)
     ops.swiglu_backward(h, da, dh, sched.expert_offsets)
@@ -409,8 +443,7 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     if shared_fc1 is not None:
         shared_fc1, shared_fc2 = shared_fc1.contiguous(), shared_fc2.contiguous()
         Is = shared_fc1.shape[0] // 2
-        hs = torch.empty((T, 2 * Is), **bf16)
-        ops.grouped_gemm(x, shared_fc1, None, hs, False, 0)
+        hs = ctx.shared_h if ctx.shared_h is not None else _recompute_gate_up(x, shared_fc1, None)
         das = g @ shared_fc2  # [T, Is]
         dhs = torch.empty((T, 2 * Is), **bf16)
         ops.swiglu_backward(hs, das, dhs, None)

@@ -47,6 +47,7 @@ _MEM_RE = re.compile(
     r"max allocated: ([\d.]+) \| reserved: ([\d.]+) \| max reserved: ([\d.]+)"
 )
 _STATS_RE = re.compile(r"\[mok-stats\]((?:\s+\w+=\S+)+)")
+_DIGEST_RE = re.compile(r"\[megatron_mok\] param-digest rank=(\d+) iteration=(\d+) value=([0-9a-f]+)")
 _ERROR_RE = re.compile(
     r"^(?:\d+:\s*)?(?:\[[^\]]*\]:?\s*)?((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt)):\s*(.*)$"
 )
@@ -110,6 +111,7 @@ class RunLog:
     rank_stats: list = field(default_factory=list)  # RankStats
     errors: list = field(default_factory=list)  # "XError: message" lines, in order
     deep_ep_lines: list = field(default_factory=list)
+    param_digests: dict = field(default_factory=dict)  # iteration -> {rank: hex} (MOK_PARAM_DIGEST_EVERY)
 
     # -- convenience -------------------------------------------------------------------------
     def arg(self, name: str, cast=None, default=None):
@@ -189,6 +191,10 @@ def parse_log(text: str | Iterable[str]) -> RunLog:
                     "max_reserved_mib": float(m.group(6)),
                 }
             )
+            continue
+        m = _DIGEST_RE.search(line)
+        if m:
+            log.param_digests.setdefault(int(m.group(2)), {})[int(m.group(1))] = m.group(3)
             continue
         m = _STATS_RE.search(line)
         if m:
@@ -320,6 +326,8 @@ def summarize(
         "cuda_max_allocated_mib_per_rank": (
             {s.rank: s.cuda_max_allocated_mib for s in log.rank_stats} if cuda else None
         ),
+        "param_digests": {str(it): {str(r): v for r, v in sorted(d.items())}
+                          for it, d in sorted(log.param_digests.items())},
         "loaded_iterations": list(log.loaded_iterations),
         "saved_iterations": list(log.saved_iterations),
     }

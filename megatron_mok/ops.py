@@ -54,7 +54,7 @@ def _register_fakes() -> None:
     def _noop(*args, **kwargs):
         return None
 
-    for name in ("gather_routing", "barrier", "publish_barrier", "build_schedule", "dispatch", "grouped_gemm",
+    for name in ("barrier", "publish_barrier", "build_schedule", "dispatch", "grouped_gemm",
                  "combine", "moe_epilogue", "moe_epilogue_wait", "megakernel", "bwd_publish", "bwd_pull",
                  "swiglu_backward", "zero_empty_segments", "bwd_push", "bwd_epilogue_wait"):
         torch.library.register_fake(f"megatron_mok::{name}")(_noop)
@@ -66,40 +66,35 @@ def _ops():
     return torch.ops.megatron_mok
 
 
-def schedule_histogram_offset(ep: int, num_tokens: int, nle: int) -> int:
-    """Start of the schedule scratch's histogram (num_experts ints that the gather zeroes)."""
-    return nle * ep * math.ceil(num_tokens / SCHEDULE_CHUNK)
-
-
 def schedule_scratch_ints(ep: int, num_tokens: int, nle: int, num_experts: int) -> int:
-    return schedule_histogram_offset(ep, num_tokens, nle) + num_experts
+    """int32 scratch of ``build_schedule`` (per-chunk counts, then the histogram; no init needed)."""
+    return nle * ep * math.ceil(num_tokens / SCHEDULE_CHUNK) + num_experts
 
 
 def megakernel_counter_ints(capacity: int, num_tokens: int) -> int:
     return MEGA_COUNTER_HEADER + 2 * (capacity // ROW_TILE) + math.ceil(num_tokens / ROW_TILE)
 
 
-def gather_routing(top_experts, state, errors, zero_buf, peer_bufs: list[int], peer_flags: list[int], rank: int,
-                   num_experts: int, timeout_s: float) -> None:
-    """All-gather of the routing by peer stores plus the barrier that completes it (one launch);
-    ``zero_buf`` (the schedule's histogram) is zeroed on the way."""
-    _ops().gather_routing(top_experts, state, errors, zero_buf, peer_bufs, peer_flags, rank, num_experts,
-                          float(timeout_s))
-
-
-def publish_barrier(src, dst, state, errors, peer_flags: list[int], rank: int, timeout_s: float) -> None:
-    """``dst`` (this rank's symmetric buffer) <- ``src``, then a device barrier (one launch)."""
-    _ops().publish_barrier(src, dst, state, errors, peer_flags, rank, float(timeout_s))
+def publish_barrier(src, dst, state, errors, peer_flags: list[int], rank: int, timeout_s: float,
+                    probs=None) -> None:
+    """``dst`` (this rank's symmetric buffer) <- ``src``, then a device barrier (one launch).
+    ``probs`` (fp32 ``[T, k]``, optional): NaN/inf router weights are flagged in ``errors`` as
+    ``functional.flag_nonfinite_probs`` does."""
+    _ops().publish_barrier(src, dst, state, errors, peer_flags, rank, float(timeout_s), probs)
 
 
 def barrier(state, errors, peer_flags: list[int], rank: int, timeout_s: float, bump_gather: bool = False) -> None:
     _ops().barrier(state, errors, peer_flags, rank, float(timeout_s), int(bump_gather))
 
 
-def build_schedule(routing_buf, state, errors, top_all, row_src_rank, row_src_slot, expert_counts, expert_offsets,
-                   scratch, rank: int, num_experts: int) -> None:
-    _ops().build_schedule(routing_buf, state, errors, top_all, row_src_rank, row_src_slot, expert_counts,
-                          expert_offsets, scratch, rank, num_experts)
+def build_schedule(top_experts, routing_buf, state, errors, top_all, row_src_rank, row_src_slot, expert_counts,
+                   expert_offsets, scratch, peer_bufs: list[int], peer_flags: list[int], rank: int, num_experts: int,
+                   timeout_s: float) -> None:
+    """Routing all-gather by peer stores (into ``peer_bufs``; ``routing_buf`` is this rank's), the
+    barrier that completes it, and this rank's schedule: one launch."""
+    _ops().build_schedule(top_experts, routing_buf, state, errors, top_all, row_src_rank, row_src_slot,
+                          expert_counts, expert_offsets, scratch, peer_bufs, peer_flags, rank, num_experts,
+                          float(timeout_s))
 
 
 def dispatch(row_src_rank, row_src_slot, expert_offsets, x_routed, peer_x: list[int], topk: int,
@@ -107,13 +102,14 @@ def dispatch(row_src_rank, row_src_slot, expert_offsets, x_routed, peer_x: list[
     _ops().dispatch(row_src_rank, row_src_slot, expert_offsets, x_routed, peer_x, topk, num_ctas)
 
 
-def grouped_gemm(a, b, seg_offsets, out, swiglu: bool, num_ctas: int = 0, seg_counts=None) -> None:
+def grouped_gemm(a, b, seg_offsets, out, swiglu: bool, num_ctas: int = 0, seg_counts=None, pre_out=None) -> None:
     """out = a @ b[seg]^T per 128-row segment (swiglu: b rows are [gate; up], out = silu(g) * u).
 
     seg_counts: real rows per segment; the remaining rows of each segment must be zero rows of
-    ``a`` (their outputs are written as zeros without being computed).
+    ``a`` (their outputs are written as zeros without being computed). pre_out (swiglu only,
+    ``[rows, 2N]``): also receives the bf16 pre-activations ``a @ b[seg]^T``.
     """
-    _ops().grouped_gemm(a, b, seg_offsets, seg_counts, out, swiglu, num_ctas)
+    _ops().grouped_gemm(a, b, seg_offsets, seg_counts, out, pre_out, swiglu, num_ctas)
 
 
 def combine(y, row_src_rank, row_src_slot, expert_offsets, state, peer_comb: list[int], num_ctas: int = 0) -> None:
@@ -131,14 +127,15 @@ def moe_epilogue_wait(comb, probs, shared_y, out, state, errors, peer_flags: lis
 
 
 def megakernel(x, fc1, fc2, shared_fc1, shared_fc2, row_src_rank, row_src_slot, expert_counts, expert_offsets,
-               x_routed, act, y_routed, shared_act, shared_y, counters, state, errors, peer_x: list[int],
-               peer_comb: list[int], peer_flags: list[int], rank: int, topk: int, num_comm: int, num_compute: int,
-               minibatch_rows: int, timeout_s: float) -> None:
+               x_routed, act, h, y_routed, shared_act, shared_h, shared_y, counters, state, errors,
+               peer_x: list[int], peer_comb: list[int], peer_flags: list[int], rank: int, topk: int, num_comm: int,
+               num_compute: int, minibatch_rows: int, timeout_s: float) -> None:
     """The persistent forward megakernel (csrc/kernels/megakernel.cu): dispatch, shared and routed
-    expert GEMMs, push-combine, and the opening half of the closing barrier, in one launch."""
+    expert GEMMs, push-combine, and the opening half of the closing barrier, in one launch.
+    ``h`` / ``shared_h`` (optional): also keep the gate/up pre-activations for the backward."""
     _ops().megakernel(x, fc1, fc2, shared_fc1, shared_fc2, row_src_rank, row_src_slot, expert_counts, expert_offsets,
-                      x_routed, act, y_routed, shared_act, shared_y, counters, state, errors, peer_x, peer_comb,
-                      peer_flags, rank, topk, num_comm, num_compute, minibatch_rows, float(timeout_s))
+                      x_routed, act, h, y_routed, shared_act, shared_h, shared_y, counters, state, errors, peer_x,
+                      peer_comb, peer_flags, rank, topk, num_comm, num_compute, minibatch_rows, float(timeout_s))
 
 
 # ---- stage-1 backward (csrc/kernels/backward.cu) ---------------------------------------------------

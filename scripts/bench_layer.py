@@ -10,6 +10,8 @@ Backends (same inputs, same weights, bf16, one shared expert of size Is = I):
   mok       megatron_mok.build_schedule + megatron_mok.forward (the CUDA kernels of csrc/; the
             forward is the persistent megakernel unless MOK_FORWARD=staged)
   mok_staged  the same with the stage-2 forward launches (kernel_path.FORWARD_PATH = "staged")
+  mok_recompute  mok with MoKConfig(save_gate_up=False): the forward keeps no gate/up outputs and
+            the backward recomputes them (the activation-checkpointing memory mode)
   alltoall  Megatron-Core MoEAlltoAllTokenDispatcher (NCCL all-to-all) + torch._grouped_mm experts
   symm_a2a  torch.ops.symm_mem.all_to_all_vdev_2d dispatch, all_to_all_vdev_2d_offset combine,
             torch._grouped_mm experts. Needs the NVSHMEM symmetric-memory backend, selected before
@@ -19,7 +21,11 @@ Backends (same inputs, same weights, bf16, one shared expert of size Is = I):
 megatron_mok.backward on the forward's context (the stage-1 CUDA backward unless MOK_BACKWARD=reference);
 alltoall = torch.autograd.grad through the dispatcher + torch._grouped_mm experts + shared expert
 (retain_graph, so every iteration replays the same backward; gradients are returned, not accumulated).
-Backward FLOPs = 2x the forward FLOPs (mok also recomputes the gate/up GEMM, not counted).
+Backward FLOPs = 2x the forward FLOPs (mok_recompute also recomputes the gate/up GEMM, not counted).
+Memory (--pass bwd): saved_bytes_per_token = what the forward keeps for the backward (mok: the
+KernelContext's tensors; alltoall: the growth of allocated memory across the forward, minus its
+output), and bwd_peak_bytes_per_token = the allocation peak of one backward above what was allocated
+before it, both divided by T.
 
 Timing: CUDA events around every iteration on every rank, warm-up first; the reported time is the
 median over iterations of the per-iteration maximum over ranks. Forward FLOPs per rank =
@@ -56,7 +62,8 @@ from megatron_mok.shapes import MOE_SHAPES  # noqa: E402
 
 # model: (experts, hidden H, expert I, top-k); one shared expert with Is = I (docs: DESIGN.md)
 SHAPES = {name: (s.num_experts, s.hidden, s.ffn, s.topk) for name, s in MOE_SHAPES.items()}
-BACKENDS = ("mok", "mok_staged", "alltoall", "symm_a2a")
+BACKENDS = ("mok", "mok_staged", "mok_recompute", "alltoall", "symm_a2a")
+BWD_BACKENDS = ("mok", "mok_recompute", "alltoall")
 
 
 _T0 = time.time()
@@ -106,6 +113,7 @@ def shared_expert(c):
 
 
 PASS = "fwd"  # set by main(): "fwd" or "bwd"
+SAVED_BYTES: dict = {}  # backend -> bytes its forward keeps for the backward (--pass bwd)
 
 
 def _grad_out(c, dev):
@@ -113,17 +121,18 @@ def _grad_out(c, dev):
     return torch.randn(c["T"], c["H"], device=dev, generator=g).to(torch.bfloat16)
 
 
-def backend_mok(c, dev, path=None):
+def backend_mok(c, dev, path=None, save_gate_up=True, name="mok"):
     from megatron_mok import MoKConfig, functional, get_workspace, kernel_path, ops
 
     if not ops.is_available():
         raise RuntimeError(f"megatron_mok._C not available: {ops.load_error()}")
-    cfg = MoKConfig()
+    cfg = MoKConfig(save_gate_up=save_gate_up)
     ws = get_workspace(None, dev, c["T"], c["H"], c["k"], c["E"], cfg)
 
     if PASS == "bwd":
         sched = functional.build_schedule(cfg, ws, c["top"])
         _, ctx = functional.forward(cfg, ws, sched, c["x"], c["probs"], c["fc1"], c["fc2"], c["sfc1"], c["sfc2"])
+        SAVED_BYTES[name] = ctx.nbytes()
         grad = _grad_out(c, dev)
 
         def bwd_step():
@@ -148,7 +157,11 @@ def backend_mok(c, dev, path=None):
 
 
 def backend_mok_staged(c, dev):
-    return backend_mok(c, dev, path="staged")
+    return backend_mok(c, dev, path="staged", name="mok_staged")
+
+
+def backend_mok_recompute(c, dev):
+    return backend_mok(c, dev, save_gate_up=False, name="mok_recompute")
 
 
 def _megatron_groups():
@@ -204,7 +217,11 @@ def backend_alltoall(c, dev):
         return disp.combine_postprocess(y) + shared_expert(c)
 
     if PASS == "bwd":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated(dev)
         out = step()
+        torch.cuda.synchronize()
+        SAVED_BYTES["alltoall"] = torch.cuda.memory_allocated(dev) - before - out.numel() * out.element_size()
         grad = _grad_out(c, dev)
         inputs = [leaves["x"], probs_dense, leaves["fc1"], leaves["fc2"], leaves["sfc1"], leaves["sfc2"]]
 
@@ -279,7 +296,8 @@ def backend_symm_a2a(c, dev):
     return step, None
 
 
-BACKEND_FNS = {"mok": backend_mok, "mok_staged": backend_mok_staged, "alltoall": backend_alltoall,
+BACKEND_FNS = {"mok": backend_mok, "mok_staged": backend_mok_staged, "mok_recompute": backend_mok_recompute,
+               "alltoall": backend_alltoall,
                "symm_a2a": backend_symm_a2a}
 
 
@@ -425,8 +443,8 @@ def run_cases(args, backends, dev) -> list[dict]:
             for be in backends:
                 row = dict(shape=shape, tokens=T, backend=be, ep=ep, routing=args.routing, flops_per_rank=flops,
                            pass_=PASS)
-                if PASS == "bwd" and be not in ("mok", "alltoall"):
-                    row.update(status="error", error=f"--pass bwd supports mok and alltoall, not {be}")
+                if PASS == "bwd" and be not in BWD_BACKENDS:
+                    row.update(status="error", error=f"--pass bwd supports {BWD_BACKENDS}, not {be}")
                     rows.append(row)
                     continue
                 step = out = None
@@ -436,8 +454,18 @@ def run_cases(args, backends, dev) -> list[dict]:
                         if not gate <= 1e-2:
                             raise RuntimeError(f"correctness gate failed (rel err {gate})")
                     step, _ = BACKEND_FNS[be](c, dev)
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats(dev)
+                    before = torch.cuda.memory_allocated(dev)
                     out = step()
                     torch.cuda.synchronize()
+                    if PASS == "bwd":
+                        mem = torch.tensor([SAVED_BYTES.get(be, -1), torch.cuda.max_memory_allocated(dev) - before],
+                                           dtype=torch.float64, device=dev)
+                        dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+                        if mem[0] >= 0:
+                            row["saved_bytes_per_token"] = float(mem[0]) / T
+                        row["bwd_peak_bytes_per_token"] = float(mem[1]) / T
                     log(f"{shape} T={T} {be}: first step done")
                     saved = os.path.join(args.tmp_dir, f"mok_out_{PASS}_{shape}_{T}_{args.routing}_rank{dist.get_rank()}.pt")
                     if be == "mok":
@@ -450,7 +478,7 @@ def run_cases(args, backends, dev) -> list[dict]:
                         e = torch.tensor([float((out.float() - ref_out).norm() / ref_out.norm())], device=dev)
                         dist.all_reduce(e, op=dist.ReduceOp.MAX)
                         row["rel_err_vs_mok"] = float(e)
-                    if be == "mok_staged" and ref_bits is not None:
+                    if be in ("mok_staged", "mok_recompute") and ref_bits is not None:
                         same = torch.tensor([int(torch.equal(out.view(torch.int16), ref_bits.view(torch.int16)))],
                                             device=dev)
                         dist.all_reduce(same, op=dist.ReduceOp.MIN)
@@ -473,7 +501,11 @@ def run_cases(args, backends, dev) -> list[dict]:
                     log(f"{shape:16s} T={T:5d} {be:10s} {row['ms']:8.3f} ms  {row['tflops']:6.1f} TFLOP/s"
                         + (f"  err_vs_mok={row['rel_err_vs_mok']:.2e}" if "rel_err_vs_mok" in row else "")
                         + (f"  bitwise_vs_mok={row['bitwise_equal_to_mok']}" if "bitwise_equal_to_mok" in row
-                           else ""))
+                           else "")
+                        + (f"  saved={row['saved_bytes_per_token'] / 1024:.1f} KiB/token"
+                           if "saved_bytes_per_token" in row else "")
+                        + (f"  bwd_peak={row['bwd_peak_bytes_per_token'] / 1024:.1f} KiB/token"
+                           if "bwd_peak_bytes_per_token" in row else ""))
                 else:
                     log(f"{shape:16s} T={T:5d} {be:10s} ERROR {row['error']}")
                 step = out = None  # release this backend's buffers before the next one

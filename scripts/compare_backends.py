@@ -8,6 +8,10 @@
     # inside a Slurm allocation (salloc / sbatch scripts/slurm/compare.sbatch): one srun per backend
     python scripts/compare_backends.py --launcher srun --config configs/deepseek-v3.args ...
 
+    # 200 steps, mok twice (bitwise run-to-run check through parameter digests) and alltoall
+    python scripts/compare_backends.py --config configs/deepseek-v3-proxy.args --backends mok,alltoall \
+        --rerun mok --param-digest-every 50 --iters 200
+
     # only re-report existing logs (e.g. of scripts/slurm/train.sbatch runs)
     python scripts/compare_backends.py --from-logs mok=runs/a/logs/train.0.log alltoall=runs/b/logs/train.0.log
 
@@ -19,6 +23,10 @@ Writes into --out (default bench/results/compare-<config>-<time>):
   compare.png    loss curves and tokens/s/GPU bars (needs matplotlib; skipped with a note if absent)
   compare.md     a markdown summary table
   logs/<backend>.log   every rank's output
+
+--rerun B trains backend B a second time (reported as ``B_rerun``) and checks that the two runs
+are bitwise identical: the same logged loss curve and, with --param-digest-every N, the same
+per-rank digest of every parameter's bits every N iterations (megatron_mok.adapter.pretrain).
 
 tokens/s/GPU = global batch size * seq length / median step time / world size, where the step time is
 Megatron's "elapsed time per iteration" of the iterations after the first --warmup ones. Peak memory is
@@ -226,7 +234,26 @@ def classify(rc: int | None, log: logparse.RunLog, summary: dict) -> tuple[str, 
     return "failed", err or f"exit code {rc}"
 
 
+def rerun_check(first: dict, again: dict) -> dict:
+    """Is a rerun bitwise identical to the first run? (loss curve as logged, parameter digests)"""
+    d1, d2 = first.get("param_digests") or {}, again.get("param_digests") or {}
+    common = sorted(set(d1) & set(d2), key=int)
+    return {
+        "loss_curve_identical": bool(first.get("loss_curve")) and first.get("loss_curve") == again.get("loss_curve"),
+        "param_digest_iterations": [int(i) for i in common],
+        "param_digests_identical": all(d1[i] == d2[i] for i in common) if common else None,
+    }
+
+
+def rerun_identical(check: dict) -> bool:
+    return check["loss_curve_identical"] and check["param_digests_identical"] is not False
+
+
 def build_report(results: dict, meta: dict) -> dict:
+    for b, r in results.items():
+        base = results.get(b[: -len("_rerun")]) if b.endswith("_rerun") else None
+        if base is not None and base["status"] == r["status"] == "ok":
+            r["bitwise_vs_first_run"] = rerun_check(base, r)
     ref = next((b for b, r in results.items() if r["status"] == "ok"), None)
     if ref is not None:
         ref_curve = dict((i, l) for i, l in results[ref]["loss_curve"])
@@ -269,6 +296,12 @@ def write_markdown(report: dict, path: Path, png_name: str | None) -> None:
         ]
         if ref:
             row.append("ref" if b == ref else _fmt(diff, ".3g"))
+        rerun = r.get("bitwise_vs_first_run")
+        if rerun:
+            digests = {None: "not logged", True: "=", False: "!="}[rerun["param_digests_identical"]]
+            note = (f"bitwise {'identical' if rerun_identical(rerun) else 'DIFFERENT'} to the first run (loss "
+                    f"curve {'=' if rerun['loss_curve_identical'] else '!='}, parameter digests at "
+                    f"{len(rerun['param_digest_iterations'])} iterations {digests})") + (f"; {note}" if note else "")
         row += [_fmt(r.get("peak_memory_mib") if r["status"] == "ok" else None, ",.0f"), note]
         lines.append("| " + " | ".join(row) + " |")
     srcs = {r.get("peak_memory_source") for r in report["backends"].values() if r.get("peak_memory_source")}
@@ -366,6 +399,9 @@ def parse_args(argv):
                    help="module run with -m on every rank (default %(default)s)")
     p.add_argument("--no-rank-stats", action="store_true", help="do not wrap ranks in rank_stats.py")
     p.add_argument("--out", default=None, help="output folder (default bench/results/compare-<config>-<time>)")
+    p.add_argument("--rerun", default="", help="comma-separated backends to train a second time (bitwise check)")
+    p.add_argument("--param-digest-every", type=int, default=0,
+                   help="ranks print a digest of their parameters' bits every N iterations (0: off)")
     p.add_argument("--from-logs", nargs="+", metavar="BACKEND=LOG",
                    help="no training: report these existing logs")
     a = p.parse_args(argv)
@@ -410,6 +446,11 @@ def main(argv=None) -> int:
     bad = [b for b in backends if b not in KNOWN_BACKENDS]
     if bad or not backends:
         parser.error(f"unknown backend(s) {bad}: expected a comma-separated subset of {','.join(KNOWN_BACKENDS)}")
+    reruns = [b.strip() for b in a.rerun.split(",") if b.strip()]
+    if any(b not in backends for b in reruns):
+        parser.error(f"--rerun {a.rerun}: every rerun backend must also be in --backends ({a.backends})")
+    if a.param_digest_every < 0:
+        parser.error("--param-digest-every must be >= 0")
     python = a.python or default_python()
     if not shutil.which(python) and not Path(python).exists():
         parser.error(f"python interpreter not found: {python}")
@@ -440,31 +481,39 @@ def main(argv=None) -> int:
         "iters": a.iters, "warmup": a.warmup, "extra_args": a.extra, "created": stamp, "python": python,
         "entry": a.entry, "host": socket.gethostname(),
     }
+    env_extra = {"MOK_PARAM_DIGEST_EVERY": str(a.param_digest_every)} if a.param_digest_every else {}
+    meta["reruns"] = reruns
+    meta["param_digest_every"] = a.param_digest_every
     results = {}
-    for b in backends:
+    for name, b in [(b, b) for b in backends] + [(f"{b}_rerun", b) for b in reruns]:
         tail = [*cfg_args, "--moe-backend", b, "--train-iters", str(a.iters), "--log-interval", "1", *a.extra]
-        print(f"[compare] {b}: {world} ranks ({launcher}) ...", file=sys.stderr, flush=True)
+        print(f"[compare] {name}: {world} ranks ({launcher}) ...", file=sys.stderr, flush=True)
         if launcher == "local":
-            rc, wall, lp = run_local(tail, nproc, python, a.entry, log_dir, b, a.timeout, {}, not a.no_rank_stats)
+            rc, wall, lp = run_local(tail, nproc, python, a.entry, log_dir, name, a.timeout, env_extra,
+                                     not a.no_rank_stats)
         else:
-            rc, wall, lp = run_srun(tail, nnodes, nproc, python, a.entry, log_dir, b, a.timeout, {},
+            rc, wall, lp = run_srun(tail, nnodes, nproc, python, a.entry, log_dir, name, a.timeout, env_extra,
                                     not a.no_rank_stats)
         r = result_from_log(lp, rc, round(wall, 1), a.warmup, world_size=world)
         r["log"] = str(lp.relative_to(out))
-        results[b] = r
+        results[name] = r
         msg = f"{r['status']}"
         if r["status"] == "ok":
             msg += f": {r['tokens_per_s_per_gpu']:.1f} tokens/s/GPU, median step {r['median_step_ms']:.1f} ms"
         else:
             msg += f": {r['reason']}"
-        print(f"[compare] {b}: {msg} ({wall:.0f} s)", file=sys.stderr, flush=True)
+        print(f"[compare] {name}: {msg} ({wall:.0f} s)", file=sys.stderr, flush=True)
     ran = sorted({r["train_iters"] for r in results.values() if r.get("train_iters")})
     if ran:  # the extra Megatron args may override --iters
         meta["iters"] = ran[0] if len(ran) == 1 else ran
-    finish(results, meta, out)
+    report = finish(results, meta, out)
     print(f"[compare] wrote {out}/compare.json, compare.md, compare.png", file=sys.stderr)
     print(str(out))
-    return 1 if any(r["status"] == "failed" for r in results.values()) else 0
+    differ = [b for b, r in report["backends"].items()
+              if r.get("bitwise_vs_first_run") and not rerun_identical(r["bitwise_vs_first_run"])]
+    if differ:
+        print(f"[compare] NOT bitwise reproducible: {', '.join(differ)}", file=sys.stderr)
+    return 1 if differ or any(r["status"] == "failed" for r in results.values()) else 0
 
 
 if __name__ == "__main__":

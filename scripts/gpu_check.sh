@@ -2,9 +2,11 @@
 # On the GPU box: install the carried wheels, build the extension, run the GPU tests (1 and 2 GPUs)
 # and the layer benchmark; full logs under $OUT (or ./gpu_check_out), a short summary at the end.
 #
-#   STAGES   space list of build test1 test2 bench bench1 e2e (default: build test1 test2 bench)
+#   STAGES   space list of build test1 test2 bench benchbwd bench1 e2e (default: build test1 test2 bench)
 #   BENCH_ARGS  arguments of scripts/bench_layer.py (default: the full forward matrix; symm_a2a is
 #               left out: torch 2.11 cannot run it with > 16 local experts, see docs/KERNELS.md)
+#   BWD_BENCH_ARGS  arguments of the benchwd stage (default: DeepSeek-V3, T=4096, mok,
+#               mok_recompute, alltoall, --pass bwd)
 #   MOK_BENCH_NOTE  note stored in the benchmark JSON
 #   TEST_ARGS   extra pytest arguments (e.g. -k forward)
 #   NO_SKIP_PAD_RETRY  set: no second test1 run with MOK_GEMM_SKIP_PAD=0 after a failure (saves time)
@@ -96,25 +98,30 @@ run_bench() {  # name, nproc
 }
 stage bench && [[ "$NGPU" -ge 1 ]] && run_bench bench "$NGPU"
 stage bench1 && [[ "$NGPU" -ge 1 ]] && run_bench bench1 1
+if stage benchbwd && [[ "$NGPU" -ge 1 ]]; then
+  BENCH_ARGS="${BWD_BENCH_ARGS:---shape deepseek-v3 --tokens 4096 --backends mok,mok_recompute,alltoall --pass bwd --iters 50}" \
+    run_bench benchbwd "$NGPU"
+fi
 
 # End-to-end Megatron training, mok against alltoall, on one recipe (not in the default stages).
 #   E2E_CONFIG [configs/deepseek-v3-proxy.args]  E2E_ITERS [12]  E2E_BACKENDS [mok,alltoall]
+#   E2E_ARGS: more compare_backends.py arguments, e.g. "--rerun mok --param-digest-every 50"
 if stage e2e && [[ "$NGPU" -ge 2 ]]; then
   t0=$(date +%s)
   e2e_out=/tmp/mok_e2e
   timeout -k 10 "${E2E_LIMIT:-420}" python3 scripts/compare_backends.py --config "${E2E_CONFIG:-configs/deepseek-v3-proxy.args}" \
     --backends "${E2E_BACKENDS:-mok,alltoall}" --nproc-per-node "$NGPU" --iters "${E2E_ITERS:-12}" --warmup 3 \
-    --timeout "${E2E_BACKEND_LIMIT:-240}" --python python3 --out "$e2e_out" 2>&1 | tee "$OUT/e2e.log" | tail -30
+    --timeout "${E2E_BACKEND_LIMIT:-240}" --python python3 --out "$e2e_out" ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log" | tail -30
   RESULT[e2e]="rc=${PIPESTATUS[0]} ($(elapsed $t0))"
   cp "$e2e_out"/compare.{json,md,png} "$OUT/" 2>/dev/null || true
-  for b in $(tr , ' ' <<< "${E2E_BACKENDS:-mok,alltoall}"); do
+  for b in $(tr , ' ' <<< "${E2E_BACKENDS:-mok,alltoall}") mok_rerun; do
     f="$e2e_out/logs/$b.log"; [[ -f "$f" ]] && tail -c 200000 "$f" > "$OUT/e2e_$b.log"
   done
 fi
 
 echo
 echo "== summary ($(elapsed $T_START) total)"
-for k in build test1_skip_pad_on test1 test2 bench bench1 e2e; do
+for k in build test1_skip_pad_on test1 test2 bench benchbwd bench1 e2e; do
   [[ -n "${RESULT[$k]:-}" ]] && printf '%-7s %s\n' "$k" "${RESULT[$k]}"
 done
 newest="$(ls -t bench/results/*.json 2>/dev/null | head -1)"

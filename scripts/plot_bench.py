@@ -14,7 +14,7 @@ import json
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BACKEND_ORDER = ["mok", "mok_staged", "alltoall", "symm_a2a"]
+BACKEND_ORDER = ["mok", "mok_staged", "mok_recompute", "alltoall", "symm_a2a"]
 
 
 def load(paths):
@@ -40,8 +40,10 @@ def table(docs) -> str:
         if d.get("note"):
             lines.append(f"Note: {d['note']}")
             lines.append("")
-        lines.append("| shape | T/GPU | routing | backend | ms (median of max over ranks) | TFLOP/s | % of matmul | vs mok | rel. err |")
-        lines.append("|---|---:|---|---|---:|---:|---:|---:|---|")
+        mem = any("saved_bytes_per_token" in r for r in d["results"])
+        lines.append("| shape | T/GPU | routing | backend | ms (median of max over ranks) | TFLOP/s | % of matmul | vs mok | rel. err |"
+                     + (" saved for bwd (KiB/token) | bwd peak (KiB/token) |" if mem else ""))
+        lines.append("|---|---:|---|---|---:|---:|---:|---:|---|" + ("---:|---:|" if mem else ""))
         by_key = {}
         for r in d["results"]:
             by_key.setdefault((r["shape"], r["tokens"], r.get("routing", "random")), {})[r["backend"]] = r
@@ -50,7 +52,8 @@ def table(docs) -> str:
             for be in sorted(group, key=lambda b: BACKEND_ORDER.index(b) if b in BACKEND_ORDER else 99):
                 r = group[be]
                 if r.get("status") != "ok":
-                    lines.append(f"| {shape} | {T} | {routing} | {be} | error: {r.get('error', '?')[:80]} | | | | |")
+                    lines.append(f"| {shape} | {T} | {routing} | {be} | error: {r.get('error', '?')[:80]} | | | | |"
+                                 + (" | |" if mem else ""))
                     continue
                 speed = f"{r['ms'] / mok['ms']:.2f}x" if mok and mok.get("status") == "ok" and be != "mok" else ""
                 err = ""
@@ -60,8 +63,10 @@ def table(docs) -> str:
                     err = "bitwise = mok"
                 elif "rel_err_vs_mok" in r:
                     err = f"{r['rel_err_vs_mok']:.1e} vs mok"
+                kib = (lambda key: f"{r[key] / 1024:.1f}" if key in r else "")
                 lines.append(f"| {shape} | {T} | {routing} | {be} | {r['ms']:.3f} | {r['tflops']:.0f} | "
-                             f"{100 * r.get('roofline_frac', 0):.0f}% | {speed} | {err} |")
+                             f"{100 * r.get('roofline_frac', 0):.0f}% | {speed} | {err} |"
+                             + (f" {kib('saved_bytes_per_token')} | {kib('bwd_peak_bytes_per_token')} |" if mem else ""))
         lines.append("")
     lines.append("`vs mok`: that backend's time over mok's (above 1: mok is faster).")
     return "\n".join(lines)

@@ -155,6 +155,12 @@ def _fake_entry(tmp_path: Path) -> Path:
         if a.moe_backend == 'hybridep':
             raise ModuleNotFoundError("--moe-backend hybridep needs deep_ep: No module named 'deep_ep'")
         r, w = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
+        every = int(os.environ.get('MOK_PARAM_DIGEST_EVERY', '0'))
+        drift = 0
+        if 'FAKE_MARK_DIR' in os.environ:  # a rerun that is not bitwise equal to the first run
+            mark = os.path.join(os.environ['FAKE_MARK_DIR'], 'ran_%s_%d' % (a.moe_backend, r))
+            drift = int(os.path.exists(mark) and 'FAKE_RERUN_DRIFT' in os.environ)
+            open(mark, 'w').close()
         if r == 0:
             print('------------------------ arguments ------------------------')
             for k, v in [('global_batch_size', a.global_batch_size), ('seq_length', a.seq_length), ('world_size', w)]:
@@ -162,6 +168,9 @@ def _fake_entry(tmp_path: Path) -> Path:
             print('-------------------- end of arguments ---------------------')
         for it in range(1, a.train_iters + 1):
             time.sleep(0.01)
+            if every and ((it - 1) % every == 0 or it == a.train_iters):
+                print('[megatron_mok] param-digest rank=%d iteration=%d value=%016x'
+                      % (r, it - 1, 1000 * r + it + drift * (it > 3)), flush=True)
             if r == w - 1:
                 print(' [x] iteration %8d/%8d | elapsed time per iteration (ms): %.1f | global batch size: %5d | '
                       'lm loss: %.6E |' % (it, a.train_iters, 50.0 if a.moe_backend == 'mok' else 100.0,
@@ -232,3 +241,61 @@ def test_megatron_zero_memory_report_on_cpu_falls_back_to_rss():
                       "reserved: 0.00 | max reserved: 0.00\n")
     s = logparse.summarize(logparse.parse_log(text))
     assert s["peak_memory_mib"] == 812.5 and "RSS" in s["peak_memory_source"]
+
+
+@pytest.mark.parametrize("drift", [False, True])
+def test_compare_rerun_checks_bitwise_reproducibility(tmp_path, drift):
+    entry_dir = _fake_entry(tmp_path)
+    cfg = tmp_path / "c.args"
+    cfg.write_text("--seq-length 32\n--global-batch-size 4\n")
+    out = tmp_path / "out"
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(entry_dir), "HOME": str(tmp_path), "FAKE_MARK_DIR": str(tmp_path)}
+    if drift:
+        env["FAKE_RERUN_DRIFT"] = "1"
+    r = subprocess.run(
+        [sys.executable, str(COMPARE), "--config", str(cfg), "--backends", "mok,alltoall", "--rerun", "mok",
+         "--param-digest-every", "2", "--nproc-per-node", "2", "--iters", "6", "--warmup", "1", "--entry", "fake_meg",
+         "--python", sys.executable, "--out", str(out), "--timeout", "120", "--no-rank-stats"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    rep = json.loads((out / "compare.json").read_text())
+    check = rep["backends"]["mok_rerun"]["bitwise_vs_first_run"]
+    assert check["loss_curve_identical"] is True
+    assert check["param_digest_iterations"] == [0, 2, 4, 5]
+    assert rep["backends"]["mok"]["param_digests"]["2"] == {"0": f"{3:016x}", "1": f"{1003:016x}"}
+    assert "bitwise_vs_first_run" not in rep["backends"]["alltoall"]
+    md = (out / "compare.md").read_text()
+    if drift:
+        assert r.returncode == 1 and "NOT bitwise reproducible: mok_rerun" in r.stderr
+        assert check["param_digests_identical"] is False and "bitwise DIFFERENT" in md
+    else:
+        assert r.returncode == 0, r.stderr
+        assert check["param_digests_identical"] is True and "bitwise identical to the first run" in md
+
+
+def test_compare_rerun_needs_a_listed_backend(tmp_path):
+    cfg = tmp_path / "c.args"
+    cfg.write_text("--seq-length 8\n")
+    r = subprocess.run([sys.executable, str(COMPARE), "--config", str(cfg), "--backends", "mok", "--rerun", "alltoall"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "every rerun backend must also be in --backends" in r.stderr
+
+
+def test_param_digest_sees_every_bit_and_position():
+    torch = pytest.importorskip("torch")
+    from megatron_mok.adapter.pretrain import param_digest
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 8)).to(torch.bfloat16)
+    d0 = param_digest(m)
+    assert d0 == param_digest(m) and len(d0) == 16
+    w = m[0].weight.data
+    bits = w.view(torch.int16)
+    bits[3, 5] ^= 1  # one bit of one element
+    d1 = param_digest(m)
+    bits[3, 5] ^= 1
+    assert d1 != d0 and param_digest(m) == d0
+    a, b = w[0, 0].clone(), w[0, 1].clone()
+    if not torch.equal(a, b):
+        w[0, 0], w[0, 1] = b, a  # same values, other positions
+        assert param_digest(m) != d0

@@ -42,6 +42,8 @@ BAD_VALUES = [
     ("peer_timeout_s", 0, "zero"), ("peer_timeout_s", 0.0, "zero float"), ("peer_timeout_s", -1.0, "negative"),
     ("peer_timeout_s", float("inf"), "inf"), ("peer_timeout_s", float("nan"), "NaN"),
     ("peer_timeout_s", "30", "str"), ("peer_timeout_s", None, "None"), ("peer_timeout_s", True, "bool"),
+    # save_gate_up: only a bool
+    ("save_gate_up", 0, "int"), ("save_gate_up", "False", "str"), ("save_gate_up", None, "None"),
 ]
 
 
@@ -70,6 +72,7 @@ def test_defaults_are_valid():
     assert cfg.fwd_comm_sms == 24 and cfg.bwd_comm_sms == 28
     assert cfg.minibatch_rows == 4096 and cfg.macrobatch_rows == 131072
     assert cfg.capacity_factor == 1.0 and cfg.precision == "bf16" and cfg.peer_timeout_s == 30.0
+    assert cfg.save_gate_up is True
     assert cfg.minibatch_rows % ROW_ALIGN == 0 and cfg.macrobatch_rows % cfg.minibatch_rows == 0
     assert cfg.precision in PRECISIONS
     assert ROW_ALIGN == 128
@@ -83,6 +86,7 @@ def test_defaults_are_valid():
     dict(capacity_factor=1), dict(capacity_factor=1e-6), dict(capacity_factor=0.5),
     dict(precision="fp8"),
     dict(peer_timeout_s=1), dict(peer_timeout_s=1e-3), dict(peer_timeout_s=1e9),
+    dict(save_gate_up=False),
 ], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_valid_values_accepted(changes):
     cfg = MoKConfig(**changes)

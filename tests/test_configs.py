@@ -54,3 +54,15 @@ def test_tiny_recipe_trains_with_mok(name, tmp_path):
     iters, log = train("mok", "--train-iters", "3", cwd=tmp_path,
                        args_file=CONFIGS / f"{name}-tiny.args")
     assert sorted(iters) == [1, 2, 3], log[-3000:]
+
+
+def test_recompute_gate_up_flag_sets_the_knob(monkeypatch):
+    from megatron.training.arguments import parse_args
+
+    from megatron_mok.adapter.backends import add_mok_args, mok_config_from_args
+
+    base = (CONFIGS / "deepseek-v3-tiny.args").read_text().split()
+    monkeypatch.setattr(sys, "argv", ["pretrain", *base, "--moe-backend", "mok"])
+    assert mok_config_from_args(parse_args(add_mok_args)).save_gate_up is True
+    monkeypatch.setattr(sys, "argv", ["pretrain", *base, "--moe-backend", "mok", "--mok-recompute-gate-up"])
+    assert mok_config_from_args(parse_args(add_mok_args)).save_gate_up is False

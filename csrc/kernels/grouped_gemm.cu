@@ -66,7 +66,7 @@ const char* launch(const CUtensorMap& tmA, const CUtensorMap& tmB, const gemm::P
 
 const char* launch_grouped_gemm(bool swiglu, const void* A, int64_t a_rows, int K, const void* B,
                                 int b_rows_per_seg, const int* seg_offsets, const int* seg_counts, int nseg,
-                                void* out, int N, int num_ctas, cudaStream_t stream) {
+                                void* out, void* pre_out, int N, int num_ctas, cudaStream_t stream) {
   // MOK_GEMM_SKIP_PAD=0 computes padding rows too (same bits; for A/B timing and as a fallback).
   static const int skip_padding = [] {
     const char* v = getenv("MOK_GEMM_SKIP_PAD");
@@ -90,6 +90,7 @@ const char* launch_grouped_gemm(bool swiglu, const void* A, int64_t a_rows, int 
   p.b_rows_per_seg = b_rows_per_seg;
   p.n_tiles = (N + (swiglu ? gemm::BN / 2 : gemm::BN) - 1) / (swiglu ? gemm::BN / 2 : gemm::BN);
   p.out = static_cast<__nv_bfloat16*>(out);
+  p.pre_out = swiglu ? static_cast<__nv_bfloat16*>(pre_out) : nullptr;
   const int max_tiles = static_cast<int>((a_rows + gemm::BM - 1) / gemm::BM) * p.n_tiles;
   return swiglu ? launch<true>(tmA, tmB, p, max_tiles, num_ctas, stream)
                 : launch<false>(tmA, tmB, p, max_tiles, num_ctas, stream);

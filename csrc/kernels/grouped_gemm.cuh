@@ -35,6 +35,7 @@ struct Params {
   int b_rows_per_seg;
   int n_tiles;             // ceil(N / (swiglu ? BN / 2 : BN))
   __nv_bfloat16* out;      // [a_rows, N] row-major
+  __nv_bfloat16* pre_out;  // SwiGLU only, optional: [a_rows, 2N] pre-activations [gate | up] (kept for the backward)
 };
 
 // The ring: stage s holds A at a(s) (BM x BK) and B at b(s) (BN x BK), 1024-byte aligned.
@@ -156,7 +157,8 @@ __device__ __forceinline__ void mma_tile(const Params& p, const Smem& sm, int cw
 }
 
 // Epilogue straight from the accumulators: bf16 pairs to global memory, rows < row_limit,
-// columns < N. !active: the warpgroup's rows are padding (zero rows of A), written as +0, the value
+// columns < N; SwiGLU with pre_out also stores the rounded gate and up values, so the backward
+// needs no gate/up recompute and sees the very values the forward activated. !active: the warpgroup's rows are padding (zero rows of A), written as +0, the value
 // the MMA and silu(0) * 0 give them.
 template <bool kSwiGLU>
 __device__ __forceinline__ void store_tile(const Params& p, int tile, int cw, const float (&acc)[128], int row_limit,
@@ -181,8 +183,18 @@ __device__ __forceinline__ void store_tile(const Params& p, int tile, int cw, co
       v1 = acc[i + 1];
     }
     if (!active) v0 = v1 = 0.f;
-    if (r < row_limit && c < p.N)
+    if (r < row_limit && c < p.N) {
       *reinterpret_cast<__nv_bfloat162*>(p.out + static_cast<int64_t>(r) * p.N + c) = __floats2bfloat162_rn(v0, v1);
+      if constexpr (kSwiGLU) {
+        if (p.pre_out != nullptr) {
+          __nv_bfloat16* h = p.pre_out + static_cast<int64_t>(r) * (2 * p.N) + c;
+          *reinterpret_cast<__nv_bfloat162*>(h) =
+              active ? __floats2bfloat162_rn(acc[i], acc[i + 1]) : __floats2bfloat162_rn(0.f, 0.f);
+          *reinterpret_cast<__nv_bfloat162*>(h + p.N) =
+              active ? __floats2bfloat162_rn(acc[i + 64], acc[i + 65]) : __floats2bfloat162_rn(0.f, 0.f);
+        }
+      }
+    }
   }
 }
 

@@ -22,22 +22,21 @@ enum StateSlot : int {
   kStateGatherCount = 1,   // routing all-gathers issued (selects the double-buffer half)
   kStateGatherParity = 2,  // half of the routing buffer that the current schedule reads
   kStateArrive = 3,        // blocks of a fused kernel that have arrived (the last one resets it)
-  kStateInts = 8,
+  // The schedule kernel's task scheduler; all zero between launches (its last block resets them).
+  kStateSchedTicket = 4,    // next task ticket
+  kStateSchedDone = 5,      // finished tasks of phases 0 and 1
+  kStateSchedReleased = 6,  // phases released (1: routing gathered, 2: scan done)
+  kStateSchedExit = 7,      // blocks that have exited
+  kStateSchedAbort = 8,     // a wait of the launch gave up (watchdog)
+  kStateInts = 16,          // megatron_mok.kernel_path.STATE_INTS
 };
 
-// Routing all-gather, fused with the barrier that completes it: writes top_experts (int32/int64
-// [T, k], n = T * k values), saturated to [-1, num_experts], as int32 into half
-// (state[kStateGatherCount] & 1) of every rank's symmetric [2, ep, T, k] buffer, row `rank`; zeroes
-// zero_buf[n_zero] (the schedule's histogram); then the last block runs the barrier (with the
-// routing double-buffer bump) over `flags`.
-const char* launch_gather_routing(const void* top_experts, bool is_int64, int n, const PeerPtrs& bufs,
-                                  int* state, int* errors, const PeerPtrs& flags, uint64_t timeout_ns,
-                                  int* zero_buf, int n_zero, int rank, int ep, int num_experts,
-                                  cudaStream_t stream);
-
 // dst[0, bytes) <- src (this rank's symmetric x buffer), then a full barrier (one launch).
-const char* launch_publish_barrier(const void* src, void* dst, int64_t bytes, const PeerPtrs& flags, int* state,
-                                   int* errors, int rank, int ep, uint64_t timeout_ns, cudaStream_t stream);
+// probs (fp32 [n_probs / k, k], may be null): errors[kErrNonfiniteProbs] = max(it, 1 + last token
+// with a NaN/inf weight), written before the barrier.
+const char* launch_publish_barrier(const void* src, void* dst, int64_t bytes, const float* probs, int n_probs, int k,
+                                   const PeerPtrs& flags, int* state, int* errors, int rank, int ep,
+                                   uint64_t timeout_ns, cudaStream_t stream);
 
 // Cross-rank barrier on epoch counters: each rank stores its new epoch into slot `rank` of every
 // peer's symmetric int32 [ep] flag buffer (st.release.sys), then waits (ld.acquire.sys) until all
@@ -47,19 +46,22 @@ const char* launch_publish_barrier(const void* src, void* dst, int64_t bytes, co
 const char* launch_barrier(const PeerPtrs& flags, int* state, int* errors, int rank, int ep, uint64_t timeout_ns,
                            int bump_gather, cudaStream_t stream);
 
-// Scratch int32 elements that launch_schedule needs; the last num_experts of them (from
-// schedule_histogram_offset) must be zero at its start: launch_gather_routing's zero_buf.
+// Scratch int32 elements that launch_schedule needs (uninitialised is fine).
 int64_t schedule_scratch_ints(int ep, int T, int nle, int num_experts);
-int64_t schedule_histogram_offset(int ep, int T, int nle);
 
-// The routed-row schedule of docs/ARCHITECTURE.md from the gathered routing (half
-// state[kStateGatherParity] of routing_buf [2, ep, T, k]). Writes top_all [ep, T, k] (a copy),
-// row_src_rank / row_src_slot [capacity], expert_counts [nle], expert_offsets [nle + 1]; flags
-// bad expert ids, duplicates and capacity overflow (of any rank) into errors. Two launches: count
-// (+ row init, + the scan in its last block) and fill.
-const char* launch_schedule(const int* routing_buf, int* state, int* errors, int* top_all, int* row_src_rank,
-                            int* row_src_slot, int* expert_counts, int* expert_offsets, int* scratch, int rank,
-                            int ep, int T, int k, int nle, int num_experts, int capacity, cudaStream_t stream);
+// Routing all-gather + the routed-row schedule of docs/ARCHITECTURE.md, one launch: top_experts
+// (int32/int64 [T, k]), saturated to [-1, num_experts], goes as int32 into half
+// (state[kStateGatherCount] & 1) of every rank's symmetric [2, ep, T, k] routing buffer
+// (route_bufs; routing_buf: this rank's), row `rank`; a cross-rank barrier over `flags` (with the
+// double-buffer bump); then top_all [ep, T, k] (a copy), row_src_rank / row_src_slot [capacity],
+// expert_counts [nle], expert_offsets [nle + 1]. Flags bad expert ids, duplicates and capacity
+// overflow (of any rank) into errors; a stalled in-kernel wait sets errors[kErrKernelStall] =
+// 1 + rank and ends the kernel.
+const char* launch_schedule(const void* top_experts, bool is_int64, const int* routing_buf, const PeerPtrs& route_bufs,
+                            const PeerPtrs& flags, int* state, int* errors, int* top_all, int* row_src_rank,
+                            int* row_src_slot, int* expert_counts, int* expert_offsets, int* scratch, int rank, int ep,
+                            int T, int k, int nle, int num_experts, int capacity, uint64_t timeout_ns,
+                            cudaStream_t stream);
 
 // Pull-dispatch: routed row i (i < min(expert_offsets[nle], capacity)) <- row
 // row_src_slot[i] / k of rank row_src_rank[i]'s symmetric x [T, H]; padding rows are zeroed.
@@ -73,10 +75,11 @@ const char* launch_dispatch(const int* row_src_rank, const int* row_src_slot, co
 // segment of a_rows rows. seg_counts [nseg] (optional): real rows of each segment; the rest of a
 // segment must be zero rows of A (their outputs are written as zeros without computing them).
 // B is [nseg * b_rows_per_seg, K]. swiglu: B rows of a segment are [gate (N); up (N)] and
-// out = silu(A gate^T) * (A up^T) (N = out columns).
+// out = silu(A gate^T) * (A up^T) (N = out columns); pre_out (optional, [a_rows, 2N]) then also
+// receives the bf16 pre-activations [A gate^T | A up^T].
 const char* launch_grouped_gemm(bool swiglu, const void* A, int64_t a_rows, int K, const void* B,
                                 int b_rows_per_seg, const int* seg_offsets, const int* seg_counts, int nseg,
-                                void* out, int N, int num_ctas, cudaStream_t stream);
+                                void* out, void* pre_out, int N, int num_ctas, cudaStream_t stream);
 
 // Push-combine: routed row i's output y[i] -> slot row_src_slot[i] of rank row_src_rank[i]'s
 // symmetric combine buffer [T * k, H]. Slots are unique: plain stores, no atomics.
@@ -148,8 +151,10 @@ struct MegaArgs {
   // outputs (the forward context) and scratch
   void* x_routed;    // [capacity, H]
   void* act;         // [capacity, I]
+  void* h;           // [capacity, 2I] gate/up pre-activations, or null (not kept)
   void* y_routed;    // [capacity, H]
   void* shared_act;  // [T, Is]
+  void* shared_h;    // [T, 2Is] or null
   void* shared_y;    // [T, H]
   int* counters;     // megakernel_counter_ints(...) int32, zero before the first launch
   int* state;

@@ -330,7 +330,7 @@ constexpr int kMegaSmemBytes = gemm::kSmemBytes + 64;  // + stage tags and flags
 inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 gemm::Params gemm_params(const int* seg_offsets, const int* seg_counts, int nseg, int skip_padding, int a_rows, int K,
-                         int N, int b_rows_per_seg, bool swiglu, void* out) {
+                         int N, int b_rows_per_seg, bool swiglu, void* out, void* pre_out = nullptr) {
   gemm::Params g{};
   g.seg_offsets = seg_offsets;
   g.seg_counts = seg_counts;
@@ -342,6 +342,7 @@ gemm::Params gemm_params(const int* seg_offsets, const int* seg_counts, int nseg
   g.b_rows_per_seg = b_rows_per_seg;
   g.n_tiles = ceil_div(N, swiglu ? BN / 2 : BN);
   g.out = static_cast<__nv_bfloat16*>(out);
+  g.pre_out = static_cast<__nv_bfloat16*>(pre_out);
   return g;
 }
 
@@ -381,7 +382,8 @@ const char* launch_megakernel(const MegaArgs& a, cudaStream_t stream) {
     if (const char* m = make_tmap_bf16_2d(&tm.b[kSharedUp], a.shared_fc1, 2 * (uint64_t)Is, H, H, BN / 2)) return m;
     if (const char* m = make_tmap_bf16_2d(&tm.a[kSharedDown], a.shared_act, T, Is, Is, BM)) return m;
     if (const char* m = make_tmap_bf16_2d(&tm.b[kSharedDown], a.shared_fc2, H, Is, Is, BN / 2)) return m;
-    p.g[kSharedUp] = gemm_params(nullptr, nullptr, 1, skip_padding, T, H, Is, 2 * Is, true, a.shared_act);
+    p.g[kSharedUp] = gemm_params(nullptr, nullptr, 1, skip_padding, T, H, Is, 2 * Is, true, a.shared_act,
+                                   a.shared_h);
     p.g[kSharedDown] = gemm_params(nullptr, nullptr, 1, skip_padding, T, Is, H, H, false, a.shared_y);
     p.shared_mtiles = ceil_div(T, BM);
   }
@@ -389,7 +391,8 @@ const char* launch_megakernel(const MegaArgs& a, cudaStream_t stream) {
   if (const char* m = make_tmap_bf16_2d(&tm.b[kRoutedUp], a.fc1, (uint64_t)a.nle * 2 * I, H, H, BN / 2)) return m;
   if (const char* m = make_tmap_bf16_2d(&tm.a[kRoutedDown], a.act, cap, I, I, BM)) return m;
   if (const char* m = make_tmap_bf16_2d(&tm.b[kRoutedDown], a.fc2, (uint64_t)a.nle * H, I, I, BN / 2)) return m;
-  p.g[kRoutedUp] = gemm_params(a.expert_offsets, a.expert_counts, a.nle, skip_padding, cap, H, I, 2 * I, true, a.act);
+  p.g[kRoutedUp] = gemm_params(a.expert_offsets, a.expert_counts, a.nle, skip_padding, cap, H, I, 2 * I, true, a.act,
+                                 a.h);
   p.g[kRoutedDown] = gemm_params(a.expert_offsets, a.expert_counts, a.nle, skip_padding, cap, I, H, H, false,
                                  a.y_routed);
   p.mb_mtiles = a.minibatch_rows / BM;

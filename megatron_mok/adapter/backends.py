@@ -61,6 +61,9 @@ def add_mok_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="fraction of the worst case the routed buffer holds (1.0 never overflows)")
     group.add_argument("--mok-peer-timeout-s", type=float, default=defaults.peer_timeout_s,
                        help="seconds a device-side wait on a peer may take before it errors")
+    group.add_argument("--mok-recompute-gate-up", action="store_true",
+                       help="do not keep the gate/up GEMM outputs for the backward; recompute them "
+                            "(less activation memory, one GEMM more, same bits)")
     return parser
 
 
@@ -76,6 +79,8 @@ _ARG_TO_FIELD = {
 
 def mok_config_from_args(args) -> MoKConfig:
     values = {field: getattr(args, arg) for arg, field in _ARG_TO_FIELD.items() if hasattr(args, arg)}
+    if getattr(args, "mok_recompute_gate_up", False):
+        values["save_gate_up"] = False
     precision = "fp8" if getattr(args, "fp8", None) else "bf16"
     try:
         return MoKConfig(precision=precision, **values)

@@ -81,5 +81,6 @@ def poison_all(ws) -> None:
 def poison_ctx_tail(ctx, sched) -> None:
     """NaN-fill the rows of the forward context past the last segment (the backward must not read them)."""
     total = int(sched.expert_offsets[-1])
-    for t in (ctx.x_routed, ctx.act, ctx.y_routed):
-        t[total:] = float("nan")
+    for t in (ctx.x_routed, ctx.act, ctx.y_routed, ctx.h):
+        if t is not None:
+            t[total:] = float("nan")

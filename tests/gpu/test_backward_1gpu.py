@@ -127,6 +127,41 @@ def test_backward_matches_reference(kind, shape):
     got = grads_list(kp.backward(cfg, ws, sched, None, g, *w))
     torch.cuda.synchronize()
     assert_bitwise(got, first, "ctx=None")
+    # a forward that keeps no gate/up outputs: the backward recomputes them, same bits
+    lean = cfg.replace(save_gate_up=False)
+    _, ctx = kp.forward(lean, ws, sched, *w)
+    assert ctx.h is None and ctx.shared_h is None
+    got = grads_list(kp.backward(lean, ws, sched, ctx, g, *w))
+    torch.cuda.synchronize()
+    assert_bitwise(got, first, "save_gate_up=False")
+    ws.check_errors(blocking=True)
+
+
+@pytest.mark.parametrize("kind", ["skewed", "one_expert"])
+def test_forward_keeps_gate_up_preactivations(kind):
+    """ctx.h / ctx.shared_h hold x @ fc1^T of every row below the last segment end (padding rows: +0),
+    with the same bits from the megakernel and the staged GEMMs."""
+    shape = (517, 512, 320, 256, 32, 8)
+    cfg, ws, top, w, _ = _case(shape, kind, 31)
+    x, _probs, fc1, _fc2, sfc1, _sfc2 = w
+    kp = _kp()
+    sched = kp.build_schedule(cfg, ws, top)
+    kept = {}
+    for path in ("mega", "staged"):
+        _, ctx = kp.forward(cfg, ws, sched, *w, path=path)
+        kept[path] = (ctx.h.clone(), ctx.shared_h.clone(), ctx.x_routed.clone())
+    torch.cuda.synchronize()
+    h, sh, xr = kept["mega"]
+    assert torch.equal(h[: int(sched.expert_offsets[-1])].view(torch.int16),
+                       kept["staged"][0][: int(sched.expert_offsets[-1])].view(torch.int16))
+    assert torch.equal(sh.view(torch.int16), kept["staged"][1].view(torch.int16))
+    assert rel_err(sh, x.float() @ sfc1.float().t()) < 1e-2
+    offs, counts = sched.expert_offsets.tolist(), sched.expert_counts.tolist()
+    for e, n in enumerate(counts):
+        lo, end = offs[e], offs[e + 1]
+        if n:
+            assert rel_err(h[lo:lo + n], xr[lo:lo + n].float() @ fc1[e].float().t()) < 1e-2, e
+        assert bool((h[lo + n:end] == 0).all()), f"padding rows of expert {e} are not zero"
     ws.check_errors(blocking=True)
 
 

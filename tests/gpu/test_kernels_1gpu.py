@@ -204,7 +204,8 @@ def test_megakernel_bits_independent_of_comm_sms_and_minibatch():
 
 
 def test_launch_counts():
-    """Schedule: 3 launches; megakernel forward: 3 (publish + barrier, megakernel, epilogue)."""
+    """Schedule: 1 launch; megakernel forward: 3 (publish + probs check + barrier, megakernel,
+    epilogue), also through ``functional.forward``: 4 per layer forward (issue #3)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -229,8 +230,14 @@ def test_launch_counts():
     fwd_ops = device_ops(lambda: _kp().forward(cfg, ws, sched, *inputs, out=out, path="mega"))
     if not sched_ops and not fwd_ops:
         pytest.skip("the profiler recorded no device activity here")
-    assert len(sched_ops) == 3, sched_ops
+    assert len(sched_ops) == 1, sched_ops
     assert len(fwd_ops) == 3, fwd_ops
+    if _kp().FORWARD_PATH == "mega":  # functional.forward adds no probs-check ops on this path
+        from megatron_mok import functional
+
+        layer_ops = device_ops(lambda: functional.forward(cfg, ws, functional.build_schedule(cfg, ws, top), *inputs))
+        # the non-blocking error check's device-to-host copy is not a launch
+        assert len([n for n in layer_ops if "Memcpy" not in n]) == 4, layer_ops
     ws.check_errors(blocking=True)
 
 
@@ -317,3 +324,28 @@ def test_bad_expert_ids_raise(bad):
         ws.check_errors(blocking=True)
     # the gathered routing holds the reference's (saturated) ids
     assert torch.equal(sched.top_experts_all[0].long(), top.clamp(-1, E).to(DEV))
+
+
+@pytest.mark.parametrize("path", ["mega", "staged"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_probs_raise(path, bad):
+    """The megakernel path checks probs inside publish_barrier; the staged path with torch ops."""
+    from megatron_mok import functional, kernel_path
+
+    T, H, I, E, k = 256, 128, 128, 8, 2
+    gen = torch.Generator().manual_seed(3)
+    cfg = MoKConfig()
+    ws = create_workspace(None, DEV, T, H, k, E, cfg)
+    x, probs, fc1, fc2, _, _ = make_inputs(T, H, I, 0, E, k, gen, DEV)
+    top = make_routing("random", T, k, E, gen).to(DEV)
+    probs = probs.clone()
+    probs[37, 1] = bad
+    sched = functional.build_schedule(cfg, ws, top)
+    default = kernel_path.FORWARD_PATH
+    kernel_path.FORWARD_PATH = path
+    try:
+        functional.forward(cfg, ws, sched, x, probs, fc1, fc2)
+    finally:
+        kernel_path.FORWARD_PATH = default
+    with pytest.raises(MoKInputError, match="token 37"):
+        ws.check_errors(blocking=True)
