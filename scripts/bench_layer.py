@@ -434,8 +434,20 @@ def run_cases(args, backends, dev) -> list[dict]:
             except Exception as exc:  # noqa: BLE001
                 gate = float("nan")
                 log(f"[gate] {shape}: ERROR {type(exc).__name__}: {exc}")
+                gc.collect()
+                torch.cuda.empty_cache()
         for T in [int(t) for t in args.tokens.split(",")]:
-            c = make_case(shape, T, args.routing, args.seed, dev)
+            try:
+                c = make_case(shape, T, args.routing, args.seed, dev)
+            except torch.OutOfMemoryError as exc:  # e.g. all experts of a large model on one GPU (EP=1)
+                err = f"inputs do not fit on one GPU at EP={ep}: {str(exc).splitlines()[0][:120]}"
+                log(f"{shape:16s} T={T:5d} ERROR {err}")
+                rows += [dict(shape=shape, tokens=T, backend=be, ep=ep, routing=args.routing, pass_=PASS,
+                              status="error", error=err) for be in backends]
+                gc.collect()
+                torch.cuda.empty_cache()
+                dist.barrier()
+                continue
             flops = 6 * T * c["k"] * c["H"] * c["I"] + 6 * T * c["H"] * c["Is"]
             if PASS == "bwd":
                 flops *= 2

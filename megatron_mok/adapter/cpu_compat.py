@@ -7,6 +7,11 @@ False, and only after ``activate_if_no_gpu()`` (called by ``megatron_mok.adapter
 GPU machine it does nothing, and the same command runs on NCCL and the GPUs.
 
 Every patch is listed in ``PATCHES`` (name -> why), and ``tests/test_cpu_compat.py`` covers them.
+
+Known difference from a GPU run: Megatron's CUDA RNG tracker streams are not emulated (every fork
+draws from the one CPU generator, seeded identically on every rank), so the experts of different
+expert-parallel ranks start from the same weights on CPU. Runs stay deterministic; only the
+initial weights differ from a GPU run's.
 """
 
 from __future__ import annotations
