@@ -313,7 +313,44 @@ void megakernel(const Tensor& x, const Tensor& fc1, const Tensor& fc2, const std
   check(mok::launch_megakernel(a, current_stream()));
 }
 
-// ---- stage-1 backward ---------------------------------------------------------------------------
+// ---- backward -----------------------------------------------------------------------------------
+
+// Optional row map of the tight layout: int32 [rows] on the device, or nullptr.
+const int* tight_rows(const std::optional<Tensor>& trow, int64_t rows, const char* op) {
+  if (!trow.has_value()) return nullptr;
+  check_cuda(*trow, "trow", at::kInt);
+  TORCH_CHECK(trow->numel() == rows, "megatron_mok: ", op, " trow must have ", rows, " entries");
+  return trow->data_ptr<int>();
+}
+
+// toffs [nle + 1], trow [capacity] of the tight layout from the padded schedule (one launch).
+void bwd_tight_map(const Tensor& expert_counts, const Tensor& expert_offsets, Tensor& toffs, Tensor& trow,
+                   int64_t align) {
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&expert_counts, &expert_offsets, &toffs, &trow})
+    check_cuda(*t, "tight map tensor", at::kInt);
+  const int64_t nle = expert_counts.numel();
+  TORCH_CHECK(expert_offsets.numel() == nle + 1 && toffs.numel() == nle + 1,
+              "megatron_mok: bwd_tight_map offsets must have nle + 1 entries");
+  c10::cuda::CUDAGuard guard(trow.device());
+  check(mok::launch_bwd_tight_map(expert_counts.data_ptr<int>(), expert_offsets.data_ptr<int>(), static_cast<int>(nle),
+                                  static_cast<int>(trow.numel()), static_cast<int>(align), toffs.data_ptr<int>(),
+                                  trow.data_ptr<int>(), current_stream()));
+}
+
+// dst[t] = src[trow[t]] for t < toffs[-1] (device value); trow[t] < 0 -> a zero row.
+void gather_rows(const Tensor& src, Tensor& dst, const Tensor& trow, const Tensor& toffs, int64_t num_ctas) {
+  check_cuda(src, "src", at::kBFloat16);
+  check_cuda(dst, "dst", at::kBFloat16);
+  check_cuda(toffs, "toffs", at::kInt);
+  TORCH_CHECK(src.dim() == 2 && dst.dim() == 2 && src.size(1) == dst.size(1), "megatron_mok: gather_rows src, dst [rows, C]");
+  TORCH_CHECK(toffs.numel() >= 2, "megatron_mok: gather_rows toffs must have nle + 1 entries");
+  const int* map = tight_rows(trow, dst.size(0), "gather_rows");
+  TORCH_CHECK(dst.size(0) <= src.size(0), "megatron_mok: gather_rows dst has more rows than src");
+  c10::cuda::CUDAGuard guard(dst.device());
+  check(mok::launch_gather_rows(src.data_ptr(), dst.data_ptr(), dst.size(1) * dst.element_size(), map,
+                                toffs.data_ptr<int>(), static_cast<int>(toffs.numel() - 1),
+                                static_cast<int>(dst.size(0)), static_cast<int>(num_ctas), current_stream()));
+}
 
 void bwd_publish(const Tensor& grad_out, Tensor& g_dst, const Tensor& probs, Tensor& p_dst, Tensor& state,
                  Tensor& errors, std::vector<int64_t> peer_flags, int64_t rank, double timeout_s) {
@@ -335,12 +372,13 @@ void bwd_publish(const Tensor& grad_out, Tensor& g_dst, const Tensor& probs, Ten
 
 void bwd_pull(const Tensor& row_src_rank, const Tensor& row_src_slot, const Tensor& expert_offsets,
               const Tensor& y_routed, Tensor& dy, std::vector<int64_t> peer_g, std::vector<int64_t> peer_p,
-              std::vector<int64_t> peer_dw, int64_t topk, int64_t num_ctas) {
+              std::vector<int64_t> peer_dw, int64_t topk, int64_t num_ctas, const std::optional<Tensor>& trow) {
   for (auto* t : {&row_src_rank, &row_src_slot, &expert_offsets}) check_cuda(*t, "schedule tensor", at::kInt);
   check_cuda(y_routed, "y_routed", at::kBFloat16);
   check_cuda(dy, "dy", at::kBFloat16);
   TORCH_CHECK(dy.dim() == 2 && dy.size(0) == row_src_rank.numel() && y_routed.sizes() == dy.sizes(),
               "megatron_mok: dy and y_routed must be [capacity, H]");
+  const int* map = tight_rows(trow, dy.size(0), "bwd_pull");
   TORCH_CHECK(peer_g.size() == peer_p.size() && peer_g.size() == peer_dw.size(),
               "megatron_mok: peer lists differ in length");
   c10::cuda::CUDAGuard guard(dy.device());
@@ -348,10 +386,11 @@ void bwd_pull(const Tensor& row_src_rank, const Tensor& row_src_slot, const Tens
                              static_cast<int>(expert_offsets.numel() - 1), static_cast<int>(row_src_rank.numel()),
                              peers(peer_g, "peer_g"), peers(peer_p, "peer_p"), peers(peer_dw, "peer_dw"),
                              y_routed.data_ptr(), dy.data_ptr(), static_cast<int>(dy.size(1)), static_cast<int>(topk),
-                             static_cast<int>(num_ctas), current_stream()));
+                             map, static_cast<int>(num_ctas), current_stream()));
 }
 
-void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const std::optional<Tensor>& seg_offsets) {
+void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const std::optional<Tensor>& seg_offsets,
+                     const std::optional<Tensor>& trow) {
   check_cuda(h, "h", at::kBFloat16);
   check_cuda(da, "da", at::kBFloat16);
   check_cuda(dh, "dh", at::kBFloat16);
@@ -365,9 +404,11 @@ void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const std::o
     seg = seg_offsets->data_ptr<int>();
     nseg = static_cast<int>(seg_offsets->numel() - 1);
   }
+  const int* map = tight_rows(trow, dh.size(0), "swiglu_backward");
+  TORCH_CHECK(map == nullptr || seg != nullptr, "megatron_mok: swiglu_backward trow needs seg_offsets");
   c10::cuda::CUDAGuard guard(h.device());
   check(mok::launch_swiglu_backward(h.data_ptr(), da.data_ptr(), dh.data_ptr(), h.size(0), static_cast<int>(da.size(1)),
-                                    seg, nseg, current_stream()));
+                                    seg, nseg, map, current_stream()));
 }
 
 void zero_empty_segments(Tensor& t, const Tensor& seg_counts) {
@@ -382,19 +423,20 @@ void zero_empty_segments(Tensor& t, const Tensor& seg_counts) {
 
 void bwd_push(const Tensor& rows, const Tensor& row_src_rank, const Tensor& row_src_slot, const Tensor& expert_offsets,
               Tensor& state, std::vector<int64_t> peer_slots, std::vector<int64_t> peer_flags, int64_t rank,
-              int64_t num_ctas) {
+              int64_t num_ctas, const std::optional<Tensor>& trow) {
   check_cuda(rows, "rows", at::kBFloat16);
   for (auto* t : {&row_src_rank, &row_src_slot, &expert_offsets}) check_cuda(*t, "schedule tensor", at::kInt);
   check_cuda(state, "state", at::kInt);
   TORCH_CHECK(rows.dim() == 2 && rows.size(0) == row_src_rank.numel(), "megatron_mok: rows must be [capacity, H]");
   TORCH_CHECK(peer_slots.size() == peer_flags.size(), "megatron_mok: peer lists differ in length");
+  const int* map = tight_rows(trow, rows.size(0), "bwd_push");
   c10::cuda::CUDAGuard guard(rows.device());
   check(mok::launch_bwd_push(rows.data_ptr(), row_src_rank.data_ptr<int>(), row_src_slot.data_ptr<int>(),
                              expert_offsets.data_ptr<int>(), static_cast<int>(expert_offsets.numel() - 1),
                              static_cast<int>(row_src_rank.numel()), peers(peer_slots, "peer_slots"),
                              static_cast<int>(rows.size(1)), peers(peer_flags, "peer_flags"), state.data_ptr<int>(),
-                             static_cast<int>(rank), static_cast<int>(peer_flags.size()), static_cast<int>(num_ctas),
-                             current_stream()));
+                             static_cast<int>(rank), static_cast<int>(peer_flags.size()), map,
+                             static_cast<int>(num_ctas), current_stream()));
 }
 
 void bwd_epilogue_wait(const Tensor& slots, const Tensor& dw_slots, const std::optional<Tensor>& shared_dx, Tensor& dx,
@@ -461,12 +503,14 @@ TORCH_LIBRARY(megatron_mok, m) {
       "Tensor(d!) errors, int[] peer_flags, int rank, float timeout_s) -> ()");
   m.def(
       "bwd_pull(Tensor row_src_rank, Tensor row_src_slot, Tensor expert_offsets, Tensor y_routed, Tensor(a!) dy, "
-      "int[] peer_g, int[] peer_p, int[] peer_dw, int topk, int num_ctas) -> ()");
-  m.def("swiglu_backward(Tensor h, Tensor da, Tensor(a!) dh, Tensor? seg_offsets) -> ()");
+      "int[] peer_g, int[] peer_p, int[] peer_dw, int topk, int num_ctas, Tensor? trow=None) -> ()");
+  m.def("bwd_tight_map(Tensor expert_counts, Tensor expert_offsets, Tensor(a!) toffs, Tensor(b!) trow, int align) -> ()");
+  m.def("gather_rows(Tensor src, Tensor(a!) dst, Tensor trow, Tensor toffs, int num_ctas) -> ()");
+  m.def("swiglu_backward(Tensor h, Tensor da, Tensor(a!) dh, Tensor? seg_offsets, Tensor? trow=None) -> ()");
   m.def("zero_empty_segments(Tensor(a!) t, Tensor seg_counts) -> ()");
   m.def(
       "bwd_push(Tensor rows, Tensor row_src_rank, Tensor row_src_slot, Tensor expert_offsets, Tensor(a!) state, "
-      "int[] peer_slots, int[] peer_flags, int rank, int num_ctas) -> ()");
+      "int[] peer_slots, int[] peer_flags, int rank, int num_ctas, Tensor? trow=None) -> ()");
   m.def(
       "bwd_epilogue_wait(Tensor slots, Tensor dw_slots, Tensor? shared_dx, Tensor(a!) dx, Tensor(b!) dprobs, "
       "Tensor state, Tensor(c!) errors, int[] peer_flags, int rank, float timeout_s) -> ()");
@@ -484,6 +528,8 @@ TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("megakernel", &megakernel);
   m.impl("bwd_publish", &bwd_publish);
   m.impl("bwd_pull", &bwd_pull);
+  m.impl("bwd_tight_map", &bwd_tight_map);
+  m.impl("gather_rows", &gather_rows);
   m.impl("swiglu_backward", &swiglu_backward);
   m.impl("zero_empty_segments", &zero_empty_segments);
   m.impl("bwd_push", &bwd_push);

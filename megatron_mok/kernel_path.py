@@ -304,7 +304,7 @@ def recompute_forward_context(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedu
     return ctx
 
 
-# ---- backward (stage 1) ---------------------------------------------------------------------------
+# ---- backward -------------------------------------------------------------------------------------
 
 BACKWARD_PATHS = ("cuda", "reference")
 # Default backward; MOK_BACKWARD=reference runs the fp32 pure-PyTorch reference on CUDA too.
@@ -361,20 +361,24 @@ def _recompute_gate_up(a: torch.Tensor, fc1: torch.Tensor, sched: MoKSchedule | 
 
 def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out, x, probs, fc1, fc2,
              shared_fc1=None, shared_fc2=None, main_grads=None, *, comm_ctas: int = 0, path: str | None = None):
-    """Gradients of one layer on the device (stage 1). Returns ``functional.MoKGrads``.
+    """Gradients of one layer on the device. Returns ``functional.MoKGrads``.
 
     No host sync and no data-dependent shapes (CUDA-graph capturable once the workspace's buffers
     exist). Per rank, on the current stream:
 
     1. ``bwd_publish``: grad_out and probs into this rank's symmetric buffers, device barrier;
-    2. ``bwd_pull``: every routed row pulls its grad_out row and router weight from the source rank,
-       ``dy = w * g`` (bf16), and pushes ``<g, y_routed>`` (the router-weight gradient, fp32, fixed
-       order) into the source's symmetric ``[T * k]`` buffer;
+    2. ``bwd_tight_map``: the tight row layout of the routed GEMMs (each expert's rows padded to
+       ``ops.TIGHT_ALIGN``, not 128: ``toffs``, and ``trow``: tight row -> padded row or -1);
+       ``bwd_pull``: every routed row pulls its grad_out row and router weight from the source rank,
+       ``dy = w * g`` (bf16, tight rows), and pushes ``<g, y_routed>`` (the router-weight gradient,
+       fp32, fixed order) into the source's symmetric ``[T * k]`` buffer;
     3. routed experts: ``h = x_routed @ fc1[e]^T`` from the context (or, when the forward did not
-       keep it, recomputed by the forward's SwiGLU GEMM: the same bits), ``da = dy @ fc2[e]``, ``dh = swiglu_backward(h, da)``, ``dfc2[e] = dy^T @ act``,
-       ``dfc1[e] = dh^T @ x_routed``, ``dx_rows = dh @ fc1[e]`` (``torch._grouped_mm`` with the device
-       offsets ``expert_offsets[1:]``: groups stop at the last real segment; padding rows are zero
-       so they add nothing); experts without rows get exact zeros (``zero_empty_segments``);
+       keep it, recomputed by the forward's SwiGLU GEMM: the same bits), ``da = dy @ fc2[e]``,
+       ``dh = swiglu_backward(h, da)``, ``dfc2[e] = dy^T @ act``, ``dfc1[e] = dh^T @ x_routed``
+       (``act`` and ``x_routed`` gathered into the tight layout first), ``dx_rows = dh @ fc1[e]``
+       (``torch._grouped_mm`` with the device offsets ``toffs[1:]``: groups stop at the last real
+       rows; tight padding rows are zero so they add nothing); experts without rows get exact
+       zeros (``zero_empty_segments``);
     4. ``bwd_push``: dx rows into the source ranks' symmetric ``[T * k, H]`` slots, opening a barrier;
     5. shared expert (cuBLAS, bf16 in, fp32 accumulate) while peers finish pushing;
     6. ``bwd_epilogue_wait``: closes the barrier, ``dx[t] = sum_s slot[t, s]`` in slot order in fp32
@@ -415,28 +419,39 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     dwbuf, dw_ptrs = c.buffer("bwd_dprobs_slots", (T * k,), torch.float32)
     ops.bwd_publish(g, gbuf, probs.contiguous(), pbuf, c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
 
-    # 2. pull dy = w * g; router-weight gradient pushed to its source slot
+    # 2. tight layout (groups padded to TIGHT_ALIGN rows, not 128); pull dy = w * g into it; the
+    # router-weight gradient is pushed to its source slot
+    nle = sched.expert_counts.numel()
+    toffs = torch.empty((nle + 1,), dtype=torch.int32, device=ws.device)
+    trow = torch.empty((cap,), dtype=torch.int32, device=ws.device)
+    ops.bwd_tight_map(sched.expert_counts, sched.expert_offsets, toffs, trow)
     dy = torch.empty((cap, H), **bf16)
-    ops.bwd_pull(sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, ctx.y_routed, dy, g_ptrs, p_ptrs,
-                 dw_ptrs, k, comm_ctas)
+    ops.bwd_pull(sched.row_src_rank, sched.row_src_slot, toffs, ctx.y_routed, dy, g_ptrs, p_ptrs, dw_ptrs, k,
+                 comm_ctas, trow=trow)
 
-    # 3. routed experts
-    offs = sched.expert_offsets[1:]  # group ends (device); groups stop at the last real segment
-    h = ctx.h if ctx.h is not None else _recompute_gate_up(ctx.x_routed, fc1, sched)
+    # 3. routed experts on the tight rows (cap rows allocated: the row count is a device value)
+    offs = toffs[1:]  # group ends (device); rows at or past toffs[nle] are in no group
+    h = ctx.h if ctx.h is not None else _recompute_gate_up(ctx.x_routed, fc1, sched)  # padded rows
     da = torch._grouped_mm(dy, fc2, offs=offs)  # [cap, I]
     dh = torch.empty((cap, 2 * I), **bf16)
-    ops.swiglu_backward(h, da, dh, sched.expert_offsets)
+    ops.swiglu_backward(h, da, dh, toffs, trow=trow)
     del h, da
-    dfc2 = torch._grouped_mm(dy.t(), ctx.act, offs=offs)  # [nle, H, I]
-    dfc1 = torch._grouped_mm(dh.t(), ctx.x_routed, offs=offs)  # [nle, 2I, H]
+    act_t = torch.empty((cap, I), **bf16)
+    ops.gather_rows(ctx.act, act_t, trow, toffs, comm_ctas)
+    dfc2 = torch._grouped_mm(dy.t(), act_t, offs=offs)  # [nle, H, I]
+    del act_t, dy
     ops.zero_empty_segments(dfc2, sched.expert_counts)
+    x_t = torch.empty((cap, H), **bf16)
+    ops.gather_rows(ctx.x_routed, x_t, trow, toffs, comm_ctas)
+    dfc1 = torch._grouped_mm(dh.t(), x_t, offs=offs)  # [nle, 2I, H]
+    del x_t
     ops.zero_empty_segments(dfc1, sched.expert_counts)
     dx_rows = torch._grouped_mm(dh, fc1, offs=offs)  # [cap, H]
-    del dh, dy
+    del dh
 
     # 4. push dx rows into the source ranks' slots; opens the closing barrier
-    ops.bwd_push(dx_rows, sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, c.state, slot_ptrs,
-                 c.flag_ptrs, ws.rank, comm_ctas)
+    ops.bwd_push(dx_rows, sched.row_src_rank, sched.row_src_slot, toffs, c.state, slot_ptrs, c.flag_ptrs, ws.rank,
+                 comm_ctas, trow=trow)
 
     # 5. shared expert (overlaps the peers' pushes)
     dsfc1 = dsfc2 = shared_dx = None

@@ -56,7 +56,8 @@ def _register_fakes() -> None:
 
     for name in ("barrier", "publish_barrier", "build_schedule", "dispatch", "grouped_gemm",
                  "combine", "moe_epilogue", "moe_epilogue_wait", "megakernel", "bwd_publish", "bwd_pull",
-                 "swiglu_backward", "zero_empty_segments", "bwd_push", "bwd_epilogue_wait"):
+                 "bwd_tight_map", "gather_rows", "swiglu_backward", "zero_empty_segments", "bwd_push",
+                 "bwd_epilogue_wait"):
         torch.library.register_fake(f"megatron_mok::{name}")(_noop)
 
 
@@ -138,7 +139,12 @@ def megakernel(x, fc1, fc2, shared_fc1, shared_fc2, row_src_rank, row_src_slot, 
                       peer_comb, peer_flags, rank, topk, num_comm, num_compute, minibatch_rows, float(timeout_s))
 
 
-# ---- stage-1 backward (csrc/kernels/backward.cu) ---------------------------------------------------
+# ---- backward (csrc/kernels/backward.cu) -----------------------------------------------------------
+
+# Rows of each expert's group in the backward's tight layout are padded to this multiple:
+# torch._grouped_mm asserts group sizes of 16 bytes (8 bf16 rows) along some operand layouts; the
+# forward's 128 would keep the padding rows this layout removes.
+TIGHT_ALIGN = 16
 
 
 def bwd_publish(grad_out, g_dst, probs, p_dst, state, errors, peer_flags: list[int], rank: int,
@@ -148,18 +154,33 @@ def bwd_publish(grad_out, g_dst, probs, p_dst, state, errors, peer_flags: list[i
     _ops().bwd_publish(grad_out, g_dst, probs, p_dst, state, errors, peer_flags, rank, float(timeout_s))
 
 
+def bwd_tight_map(expert_counts, expert_offsets, toffs, trow, align: int = TIGHT_ALIGN) -> None:
+    """The backward's tight layout (one launch): ``toffs`` [nle + 1] int32, ``toffs[e + 1] = toffs[e]
+    + roundup(rows_e, align)``; ``trow`` [capacity] int32: tight row -> padded row, -1 for padding
+    rows and rows at or past ``toffs[-1]``."""
+    _ops().bwd_tight_map(expert_counts, expert_offsets, toffs, trow, align)
+
+
+def gather_rows(src, dst, trow, toffs, num_ctas: int = 0) -> None:
+    """``dst[t] = src[trow[t]]`` (bf16 rows) for ``t < toffs[-1]`` (device value); ``trow[t] < 0``:
+    a zero row. Rows past ``toffs[-1]`` are not written."""
+    _ops().gather_rows(src, dst, trow, toffs, num_ctas)
+
+
 def bwd_pull(row_src_rank, row_src_slot, expert_offsets, y_routed, dy, peer_g: list[int], peer_p: list[int],
-             peer_dw: list[int], topk: int, num_ctas: int = 0) -> None:
+             peer_dw: list[int], topk: int, num_ctas: int = 0, trow=None) -> None:
     """Routed row i: ``dy[i] = bf16(w * g)`` from the source rank's grad_out row and router weight;
-    ``<g, y_routed[i]>`` (fp32, fixed order) -> slot ``row_src_slot[i]`` of the source's ``peer_dw``."""
+    ``<g, y_routed[i]>`` (fp32, fixed order) -> slot ``row_src_slot[i]`` of the source's ``peer_dw``.
+    ``trow``: ``dy`` is tight (``expert_offsets`` = tight offsets), its row t is padded row ``trow[t]``."""
     _ops().bwd_pull(row_src_rank, row_src_slot, expert_offsets, y_routed, dy, peer_g, peer_p, peer_dw, topk,
-                    num_ctas)
+                    num_ctas, trow)
 
 
-def swiglu_backward(h, da, dh, seg_offsets=None) -> None:
+def swiglu_backward(h, da, dh, seg_offsets=None, trow=None) -> None:
     """``dh = [d_gate | d_up]`` from ``h = [gate | up]`` and ``da``; with ``seg_offsets`` only rows
-    below ``seg_offsets[-1]`` (device value) are computed."""
-    _ops().swiglu_backward(h, da, dh, seg_offsets)
+    below ``seg_offsets[-1]`` (device value) are computed. ``trow`` (with tight ``seg_offsets``):
+    ``da``/``dh`` row r pairs with ``h`` row ``trow[r]``; ``trow[r] < 0``: ``dh`` row r = 0."""
+    _ops().swiglu_backward(h, da, dh, seg_offsets, trow)
 
 
 def zero_empty_segments(t, seg_counts) -> None:
@@ -168,10 +189,12 @@ def zero_empty_segments(t, seg_counts) -> None:
 
 
 def bwd_push(rows, row_src_rank, row_src_slot, expert_offsets, state, peer_slots: list[int],
-             peer_flags: list[int], rank: int, num_ctas: int = 0) -> None:
+             peer_flags: list[int], rank: int, num_ctas: int = 0, trow=None) -> None:
     """Routed row i -> slot ``row_src_slot[i]`` of rank ``row_src_rank[i]``'s ``[T * k, H]`` buffer,
-    then the opening half of a barrier (``bwd_epilogue_wait`` closes it)."""
-    _ops().bwd_push(rows, row_src_rank, row_src_slot, expert_offsets, state, peer_slots, peer_flags, rank, num_ctas)
+    then the opening half of a barrier (``bwd_epilogue_wait`` closes it). ``trow``: ``rows`` are
+    tight (``expert_offsets`` = tight offsets), row t is padded row ``trow[t]`` (< 0: skipped)."""
+    _ops().bwd_push(rows, row_src_rank, row_src_slot, expert_offsets, state, peer_slots, peer_flags, rank, num_ctas,
+                    trow)
 
 
 def bwd_epilogue_wait(slots, dw_slots, shared_dx, dx, dprobs, state, errors, peer_flags: list[int], rank: int,

@@ -150,19 +150,24 @@ __device__ __forceinline__ void warp_copy_row(uint4* __restrict__ dst, const uin
 
 // Push each routed row into slot row_src_slot of its source rank's [T * k, H] buffer (one warp per
 // row, grid-strided; padding rows skipped). Slots are unique, so plain stores: no atomics.
+// row_map (optional, the backward's tight layout): rows[r] belongs to padded row row_map[r] (< 0:
+// padding, skipped); expert_offsets are then the tight offsets.
 __device__ __forceinline__ void push_rows_to_source_slots(const __nv_bfloat16* __restrict__ rows,
                                                           const int* __restrict__ row_src_rank,
                                                           const int* __restrict__ row_src_slot,
                                                           const int* __restrict__ expert_offsets, int nle,
-                                                          int capacity, const PeerPtrs& slot_bufs, int H) {
+                                                          int capacity, const PeerPtrs& slot_bufs, int H,
+                                                          const int* __restrict__ row_map = nullptr) {
   const int total = min(expert_offsets[nle], capacity);
   const int lane = threadIdx.x % 32;
   const int warps = gridDim.x * (blockDim.x / 32);
   const int n16 = H / 8;
   for (int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; row < total; row += warps) {
-    const int dst_rank = row_src_rank[row];
+    const int p = row_map ? row_map[row] : row;
+    if (p < 0) continue;
+    const int dst_rank = row_src_rank[p];
     if (dst_rank < 0) continue;
-    const int64_t slot = row_src_slot[row];
+    const int64_t slot = row_src_slot[p];
     uint4* dst = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(slot_bufs.p[dst_rank]) + slot * H);
     warp_copy_row(dst, reinterpret_cast<const uint4*>(rows + static_cast<int64_t>(row) * H), n16, lane);
   }

@@ -95,7 +95,19 @@ const char* launch_epilogue(const void* comb, const float* probs, const void* sh
                             const int* wait_flags, const int* state, int* errors, int ep, uint64_t timeout_ns,
                             cudaStream_t stream);
 
-// ---- the stage-1 backward (backward.cu) ------------------------------------------------------
+// ---- the backward (backward.cu) ---------------------------------------------------------------
+
+// Tight layout of the backward's routed GEMMs: toffs [nle + 1] with toffs[0] = 0, toffs[e + 1] =
+// toffs[e] + roundup(rows_e, align), rows_e = min(counts[e], offsets[e + 1] - offsets[e]) (the real
+// rows of padded segment e); trow [capacity]: tight row t -> padded row offsets[e] + (t - toffs[e])
+// for its first rows_e rows, -1 for the rest and for t >= toffs[nle]. nle < 1024; one launch.
+const char* launch_bwd_tight_map(const int* counts, const int* offsets, int nle, int capacity, int align, int* toffs,
+                                 int* trow, cudaStream_t stream);
+
+// dst[t] = src[trow[t]] (rows of row_bytes, 16-byte multiples) for t < min(toffs[nle], rows_cap);
+// rows with trow[t] < 0 <- zeros; rows past that are not touched. One warp per row.
+const char* launch_gather_rows(const void* src, void* dst, int64_t row_bytes, const int* trow, const int* toffs,
+                               int nle, int rows_cap, int num_ctas, cudaStream_t stream);
 
 // g_dst <- g (grad_out [T, H] bf16, 16-byte aligned), p_dst <- p (probs [T, k] fp32): this rank's
 // symmetric buffers; then the last block runs a full barrier (one launch).
@@ -107,15 +119,19 @@ const char* launch_bwd_publish(const void* g, void* g_dst, int64_t g_bytes, cons
 // row_src_slot[i] / k and router weight [row_src_slot[i]] of rank row_src_rank[i] (g_bufs, p_bufs),
 // writes dy[i] = bf16(w * g) and stores <g, y_routed[i]> (fp32, fixed order) into
 // dw_bufs[row_src_rank[i]][row_src_slot[i]]. Padding rows: dy = 0, nothing pushed.
+// trow (optional): dy is in the tight layout, expert_offsets are the tight offsets, and tight row t
+// does the work of padded row i = trow[t] (y_routed and the schedule stay padded; i < 0: dy = 0).
 const char* launch_bwd_pull(const int* row_src_rank, const int* row_src_slot, const int* expert_offsets, int nle,
                             int capacity, const PeerPtrs& g_bufs, const PeerPtrs& p_bufs, const PeerPtrs& dw_bufs,
-                            const void* y_routed, void* dy, int H, int k, int num_ctas, cudaStream_t stream);
+                            const void* y_routed, void* dy, int H, int k, const int* trow, int num_ctas,
+                            cudaStream_t stream);
 
 // dh [rows, 2I] = SwiGLU backward of h [rows, 2I] ([gate | up]) and da [rows, I]; rows =
 // min(seg_offsets[nseg], row_cap) (device value) or row_cap when seg_offsets is null. Rows past
-// that are not touched.
+// that are not touched. trow (optional, needs seg_offsets = the tight offsets): da and dh are tight,
+// row r reads h row trow[r] (padded); trow[r] < 0 -> dh row r = 0.
 const char* launch_swiglu_backward(const void* h, const void* da, void* dh, int64_t row_cap, int I,
-                                   const int* seg_offsets, int nseg, cudaStream_t stream);
+                                   const int* seg_offsets, int nseg, const int* trow, cudaStream_t stream);
 
 // Zero the slab t[e] (bytes_per_seg bytes) of every segment e with seg_counts[e] == 0.
 const char* launch_zero_empty_segments(void* t, int64_t bytes_per_seg, const int* seg_counts, int nseg,
@@ -123,10 +139,13 @@ const char* launch_zero_empty_segments(void* t, int64_t bytes_per_seg, const int
 
 // Push of the backward: routed row i's rows[i] -> slot row_src_slot[i] of rank row_src_rank[i]'s
 // symmetric [T * k, H] buffer (like launch_combine); then the last block opens a barrier (new epoch
-// stored into every peer's flag); launch_bwd_epilogue with wait_flags closes it.
+// stored into every peer's flag); launch_bwd_epilogue with wait_flags closes it. trow (optional):
+// rows are tight (expert_offsets the tight offsets), row t goes where padded row trow[t] goes (< 0:
+// skipped).
 const char* launch_bwd_push(const void* rows, const int* row_src_rank, const int* row_src_slot,
                             const int* expert_offsets, int nle, int capacity, const PeerPtrs& slot_bufs, int H,
-                            const PeerPtrs& flags, int* state, int rank, int ep, int num_ctas, cudaStream_t stream);
+                            const PeerPtrs& flags, int* state, int rank, int ep, const int* trow, int num_ctas,
+                            cudaStream_t stream);
 
 // dx[t] = sum_{s < k} slots[t * k + s] (fp32, slot order, no contraction) + shared_dx[t] (if not
 // null), cast once to bf16; dprobs[t * k + s] = dw_slots[t * k + s]. wait_flags: as in

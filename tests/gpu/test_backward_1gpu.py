@@ -1,6 +1,6 @@
-"""Single-GPU (EP=1) tests of the stage-1 CUDA backward (kernel_path.backward) against the fp32
-reference, plus its pieces (SwiGLU backward, exact zeros of empty experts) and the KERNEL_STALL
-error code."""
+"""Single-GPU (EP=1) tests of the CUDA backward (kernel_path.backward) against the fp32 reference,
+plus its pieces (SwiGLU backward, the tight row layout and its gather, exact zeros of empty
+experts) and the KERNEL_STALL error code."""
 
 from __future__ import annotations
 
@@ -66,6 +66,74 @@ def test_swiglu_backward_matches_torch(rows, I, limit):
     dh2 = torch.full_like(dh, float("nan"))
     ops.swiglu_backward(h, da, dh2, seg)
     assert torch.equal(dh.view(torch.int16), dh2.view(torch.int16))
+
+
+def _tight_map_torch(counts, offsets, align):
+    rows = torch.minimum(counts, offsets[1:] - offsets[:-1]).clamp(min=0)
+    toffs = torch.zeros(counts.numel() + 1, dtype=torch.int32)
+    toffs[1:] = torch.cumsum((rows + align - 1) // align * align, 0)
+    return rows, toffs
+
+
+@pytest.mark.parametrize("kind", ["random", "skewed", "one_expert", "half_empty", "all_empty_but_last"])
+def test_bwd_tight_map_and_gather_rows(kind):
+    """toffs / trow of the tight layout against a torch computation; gather_rows puts every real row
+    at its tight place and zeros in the tight padding rows, leaves rows past toffs[-1] untouched."""
+    from megatron_mok import ops
+
+    T, H, k, E = 517, 264, 8, 32
+    cfg = MoKConfig()
+    ws = create_workspace(None, DEV, T, H, k, E, cfg)
+    gen = torch.Generator().manual_seed(len(kind))
+    if kind == "all_empty_but_last":  # every token routes to the last k experts
+        top = (E - k + torch.rand(T, k, generator=gen).argsort(dim=1)).to(DEV)
+    else:
+        top = make_routing(kind, T, k, E, gen).to(DEV)
+    sched = _kp().build_schedule(cfg, ws, top)
+    cap, nle = sched.capacity, sched.expert_counts.numel()
+    toffs = torch.full((nle + 1,), -7, dtype=torch.int32, device=DEV)
+    trow = torch.full((cap,), -7, dtype=torch.int32, device=DEV)
+    ops.bwd_tight_map(sched.expert_counts, sched.expert_offsets, toffs, trow)
+    counts, offsets = sched.expert_counts.cpu(), sched.expert_offsets.cpu()
+    rows, want = _tight_map_torch(counts, offsets, ops.TIGHT_ALIGN)
+    assert torch.equal(toffs.cpu(), want)
+    want_row = torch.full((cap,), -1, dtype=torch.int32)
+    for e in range(nle):
+        n, t0, p0 = int(rows[e]), int(want[e]), int(offsets[e])
+        want_row[t0:t0 + n] = torch.arange(p0, p0 + n, dtype=torch.int32)
+    assert torch.equal(trow.cpu(), want_row)
+    src = torch.randn(cap, H, device=DEV).bfloat16()
+    dst = torch.full((cap, H), float("nan"), dtype=torch.bfloat16, device=DEV)
+    ops.gather_rows(src, dst, trow, toffs)
+    end = int(want[-1])
+    idx = want_row[:end].long()
+    ref = src.cpu()[idx.clamp(min=0)]
+    ref[idx < 0] = 0
+    assert torch.equal(dst[:end].cpu(), ref)
+    assert torch.isnan(dst[end:].float()).all(), "rows past toffs[-1] were written"
+    ws.check_errors(blocking=True)
+
+
+def test_swiglu_backward_tight_rows():
+    """With trow, da/dh row r pairs with h row trow[r]; trow < 0 gives zero dh rows."""
+    from megatron_mok import ops
+
+    gen = torch.Generator().manual_seed(5)
+    rows, I = 160, 72
+    h = (3 * torch.randn(rows, 2 * I, generator=gen)).bfloat16().to(DEV)
+    da = torch.randn(rows, I, generator=gen).bfloat16().to(DEV)
+    trow = torch.randperm(rows, generator=gen).to(torch.int32)
+    trow[::7] = -1
+    toffs = torch.tensor([0, 64, 144], dtype=torch.int32, device=DEV)  # 144 tight rows
+    dh = torch.full((rows, 2 * I), float("nan"), dtype=torch.bfloat16, device=DEV)
+    ops.swiglu_backward(h, da, dh, toffs, trow=trow.to(DEV))
+    plain = torch.empty_like(dh)
+    hp = h[trow.clamp(min=0).long().to(DEV)]
+    ops.swiglu_backward(hp.contiguous(), da, plain, None)
+    keep = (trow[:144] >= 0).to(DEV)
+    assert torch.equal(dh[:144][keep].view(torch.int16), plain[:144][keep].view(torch.int16))
+    assert bool((dh[:144][~keep] == 0).all())
+    assert torch.isnan(dh[144:].float()).all()
 
 
 def test_zero_empty_segments():
