@@ -174,3 +174,33 @@ def _compare_checkpoint_layout(rank, world):
 
 def test_grouped_experts_checkpoint_layout_matches_sequential_mlp():
     run_distributed(_compare_checkpoint_layout, world_size=2, timeout=300)
+
+
+def test_expert_init_draws_from_the_expert_parallel_rng(monkeypatch):
+    """Each EP rank must draw its own initial experts (Megatron's expert-parallel RNG stream)."""
+    import contextlib
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from megatron_mok.adapter import experts
+
+    name = mrandom.get_expert_parallel_rng_tracker_name()
+    entered = []
+
+    class FakeTracker:
+        def get_states(self):
+            return {name: None}
+
+        @contextlib.contextmanager
+        def fork(self, which):
+            entered.append(which)
+            yield
+
+    monkeypatch.setattr(mrandom, "get_cuda_rng_tracker", lambda: FakeTracker())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    w = torch.empty(3, 4, 5)
+    experts._init_expert_weights(w, torch.nn.init.normal_, 3)
+    assert entered == [name]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # CPU: no CUDA RNG streams to fork
+    experts._init_expert_weights(w, torch.nn.init.normal_, 3)
+    assert entered == [name]

@@ -13,6 +13,7 @@ backends when TransformerEngine is missing: ``torch._grouped_mm``, never a per-e
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 
@@ -62,8 +63,21 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+def _expert_rng():
+    """Megatron's expert-parallel CUDA RNG stream (seed + 1024 + 100 * EP rank), as its own expert
+    layers use: without it every EP rank would draw the same initial experts. A no-op on CPU (no
+    CUDA RNG; see cpu_compat) and where the stream was never set up (outside Megatron's init)."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+
+    tracker = get_cuda_rng_tracker()
+    name = get_expert_parallel_rng_tracker_name()
+    if not torch.cuda.is_available() or name not in tracker.get_states():
+        return contextlib.nullcontext()
+    return tracker.fork(name)
+
+
 def _init_expert_weights(weight: torch.Tensor, init_method, num_experts: int) -> None:
-    with torch.no_grad():
+    with torch.no_grad(), _expert_rng():
         for i in range(num_experts):
             init_method(weight[i])
 
