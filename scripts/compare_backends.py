@@ -480,6 +480,7 @@ def main(argv=None) -> int:
         "nodes": nnodes, "ranks_per_node": nproc, "world_size": world, "device": "gpu" if gpus else "cpu",
         "iters": a.iters, "warmup": a.warmup, "extra_args": a.extra, "created": stamp, "python": python,
         "entry": a.entry, "host": socket.gethostname(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
     }
     env_extra = {"MOK_PARAM_DIGEST_EVERY": str(a.param_digest_every)} if a.param_digest_every else {}
     meta["reruns"] = reruns
