@@ -26,13 +26,23 @@ class _MoKMoE(torch.autograd.Function):
             shared_fc1, shared_fc2, main_grads=ctx.main_grads,
         )
         ctx.fwd_ctx = None
+        mains = ctx.main_grads or (None,) * 4
 
-        def cast(g, like):
-            return None if g is None or like is None else g.to(like.dtype)
+        def wgrad(g, w, main):
+            if w is None:
+                return None
+            if g is None and main is not None:  # accumulated into main_grad
+                if hasattr(w, "grad_added_to_main_grad"):
+                    # Megatron's DDP hook wants a grad tensor and skips adding it once this flag is
+                    # set; an uninitialized dummy, as Megatron's own fused-wgrad linear layers return.
+                    w.grad_added_to_main_grad = True
+                    return torch.empty_like(w)
+                return None
+            return None if g is None else g.to(w.dtype)
 
         return (
-            grads.dx, grads.dprobs, cast(grads.dfc1, fc1), cast(grads.dfc2, fc2),
-            cast(grads.dshared_fc1, shared_fc1), cast(grads.dshared_fc2, shared_fc2),
+            grads.dx, grads.dprobs, wgrad(grads.dfc1, fc1, mains[0]), wgrad(grads.dfc2, fc2, mains[1]),
+            wgrad(grads.dshared_fc1, shared_fc1, mains[2]), wgrad(grads.dshared_fc2, shared_fc2, mains[3]),
             None, None, None, None,
         )
 

@@ -204,3 +204,37 @@ def test_expert_init_draws_from_the_expert_parallel_rng(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # CPU: no CUDA RNG streams to fork
     experts._init_expert_weights(w, torch.nn.init.normal_, 3)
     assert entered == [name]
+
+
+def _fused_wgrad_accumulation(rank, world):
+    """With gradient-accumulation fusion the mok backward adds the expert and shared-expert weight
+    gradients into Megatron's fp32 main_grad and marks them (grad_added_to_main_grad)."""
+    _setup_megatron(world)
+    torch.manual_seed(1234)
+    config = _config(shared=True)
+    plain = _build_layer("mok", config)
+    fused_cfg = _config(shared=True)
+    fused = _build_layer("mok", fused_cfg)
+    fused.load_state_dict(plain.state_dict())
+    fused_cfg.gradient_accumulation_fusion = True  # after construction: the local linears need apex for it
+    params = {"experts.fc1": fused.experts.linear_fc1.weight, "experts.fc2": fused.experts.linear_fc2.weight,
+              "shared.fc1": fused.shared_experts.linear_fc1.weight, "shared.fc2": fused.shared_experts.linear_fc2.weight}
+    for p in params.values():
+        p.main_grad = torch.full(p.shape, 0.5, dtype=torch.float32)  # earlier micro-batches' sum
+        p.grad_added_to_main_grad = False
+    gen = torch.Generator().manual_seed(7 + rank)
+    hidden, grad = torch.randn(12, 3, 32, generator=gen), torch.randn(12, 3, 32, generator=gen)
+    out_ref, dx_ref = _run(plain, hidden, grad)
+    out, dx = _run(fused, hidden, grad)
+    assert torch.equal(out, out_ref) and torch.equal(dx, dx_ref)
+    ref = {"experts.fc1": plain.experts.linear_fc1.weight.grad, "experts.fc2": plain.experts.linear_fc2.weight.grad,
+           "shared.fc1": plain.shared_experts.linear_fc1.weight.grad,
+           "shared.fc2": plain.shared_experts.linear_fc2.weight.grad}
+    for name, p in params.items():
+        assert p.grad_added_to_main_grad, name
+        assert p.grad is not None and p.grad.shape == p.shape, name  # the dummy DDP's hook expects
+        assert torch.allclose(p.main_grad, 0.5 + ref[name].float(), rtol=0, atol=1e-6), name
+
+
+def test_fused_wgrad_accumulation_into_main_grad():
+    run_distributed(_fused_wgrad_accumulation, world_size=2, timeout=300)

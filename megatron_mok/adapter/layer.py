@@ -85,9 +85,11 @@ class MoKMoELayer(MoELayer):
             probs, routing_map = self.route(hidden_states, padding_mask)
             top, weights = routing_to_topk(probs, routing_map, self.config.moe_router_topk)
             fc1, fc2 = self.experts.linear_fc1.weight, self.experts.linear_fc2.weight
+            params = (fc1, fc2, *(shared or (None, None)))
             out = mok_moe(
-                x, top, weights, fc1, fc2, *(shared or (None, None)),
+                x, top, weights, *params,
                 cfg=_MOK_CONFIG, group=self.ep_group, num_experts=self.config.num_moe_experts,
+                main_grads=_main_grads(self.config, params),
             ).view(shape)
             if separate_shared is not None:
                 out = out + separate_shared
@@ -98,6 +100,15 @@ class MoKMoELayer(MoELayer):
         else:
             out = fused_forward(hidden_states, padding_mask)
         return out, None
+
+
+def _main_grads(config, params):
+    """With gradient-accumulation fusion, the weights' fp32 ``main_grad`` buffers (set by Megatron's
+    DDP): the mok backward accumulates into them itself. Else None (autograd returns the grads)."""
+    if not getattr(config, "gradient_accumulation_fusion", False):
+        return None
+    grads = tuple(None if p is None else getattr(p, "main_grad", None) for p in params)
+    return grads if any(g is not None for g in grads) else None
 
 
 def _check_config(config) -> None:
