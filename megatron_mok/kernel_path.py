@@ -235,7 +235,8 @@ def _forward_mega(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, ou
     counters = c.counters(ops.megakernel_counter_ints(cap, T))
     ops.megakernel(x, fc1.contiguous(), fc2.contiguous(), shared_fc1, shared_fc2, sched.row_src_rank,
                    sched.row_src_slot, sched.expert_counts, sched.expert_offsets, x_routed, act, h, y_routed,
-                   shared_act, shared_h, shared_y, counters, c.state, ws.errors, x_ptrs, comb_ptrs, c.flag_ptrs, ws.rank, k,
+                   shared_act, shared_h, shared_y, counters, c.state, ws.errors, x_ptrs, comb_ptrs, c.flag_ptrs,
+                   ws.rank, k,
                    comm_ctas if comm_ctas > 0 else cfg.fwd_comm_sms, gemm_ctas, cfg.minibatch_rows,
                    min(cfg.peer_timeout_s, MEGA_WATCHDOG_S))
     if out is None:
