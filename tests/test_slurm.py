@@ -265,3 +265,23 @@ def test_sbatch_trains_and_resumes_after_requeue(slurm, tmp_path):
           "second job:", [r.iteration for r in third.iterations][-2:])
     print("losses:", [(r.iteration, r.lm_loss) for r in first.iterations + second.iterations]
           + [(r.iteration, r.lm_loss) for r in third.iterations[-2:]])
+
+
+def test_memory_estimate_counts_the_kept_gate_up_outputs():
+    import re
+
+    def worst(*extra):
+        r = subprocess.run([sys.executable, str(REPO / "scripts" / "slurm" / "estimate_memory.py"),
+                            str(REPO / "configs" / "deepseek-v3.args"), "--nodes", "32", *extra],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout, float(re.search(r"worst rank \d+: ([\d.]+) GiB", r.stdout).group(1))
+
+    out_kept, kept = worst("--moe-backend", "mok")
+    out_lean, lean = worst("--moe-backend", "mok", "--mok-recompute-gate-up")
+    _, a2a = worst("--moe-backend", "alltoall")
+    assert "gate/up outputs kept" in out_kept and "gate/up outputs recomputed" in out_lean
+    # the recipe recomputes the MoE layers: h [cap, 2I] (+ the shared expert's) is held by the one
+    # layer rebuilt for its backward: 135,168 x 2 x 2048 x 2 B + 4096 x 2 x 2048 x 2 B = 1.06 GiB
+    assert kept - lean == pytest.approx(1.06, abs=0.1)
+    assert a2a < lean < kept

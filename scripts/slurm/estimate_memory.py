@@ -24,8 +24,10 @@ routed rows, balanced routing):
   MoE: router fp32 logits/scores/probs + map T*E*13 B; shared expert T*3*Is (0 with
   'shared_experts'); routed, Megatron dispatchers (alltoall, flex/hybridep): dispatched rows R*h,
   fc1 output R*2I, SwiGLU output R*I (0 with 'moe_act'); routed, --moe-backend mok: its forward
-  context x_routed [cap, h], act [cap, I], y_routed [cap, h] with cap = the routed-row capacity
-  (--mok-capacity-factor x EP*T*min(topk, local experts), rounded up to 128-row segments);
+  context x_routed [cap, h], act [cap, I], y_routed [cap, h] and the kept gate/up outputs
+  h [cap, 2I] (not with --mok-recompute-gate-up), with cap = the routed-row capacity
+  (--mok-capacity-factor x EP*T*min(topk, local experts), rounded up to 128-row segments), and
+  its fused shared expert T*Is (+ T*2Is kept gate/up);
   everything but the layer input is 0 with 'moe' recompute
   mok workspace (once per rank): symmetric x [T, h] and combine [T*topk, h] buffers
   output layer: fp32 softmax of the cross entropy T*V*4 B per loss head (main + MTP)
@@ -230,10 +232,14 @@ class Model:
         if "moe" in rc:
             return b
         b += T * self.E * 13
-        if self.Is and "shared_experts" not in rc:
+        mok = self.backend == "mok"
+        fused_shared = mok and self.tp == 1  # the mok layer runs the shared expert itself at TP 1
+        if self.Is and fused_shared:
+            b += T * (self.Is + (2 * self.Is if self.save_gate_up else 0)) * 2
+        elif self.Is and "shared_experts" not in rc:
             b += T * 3 * self.Is / self.tp * 2
-        if self.backend == "mok":
-            b += self.mok_capacity() * (2 * h + self.I) * 2
+        if mok:
+            b += self.mok_capacity() * (2 * h + self.I + (2 * self.I if self.save_gate_up else 0)) * 2
             return b
         R = T * self.k
         b += R * h * 2 + R * 2 * self.I / self.etp * 2
@@ -327,6 +333,8 @@ def main(argv=None) -> int:
     p.add_argument("--mok-capacity-factor", type=float, default=None,
                    help="size of mok's routed-row buffer as a fraction of the worst case (default: from the "
                         "config's --mok-capacity-factor, else 1.0)")
+    p.add_argument("--mok-recompute-gate-up", action="store_true",
+                   help="mok keeps no gate/up outputs for the backward (also read from the config)")
     p.add_argument("--overhead-gib", type=float, default=5.0,
                    help="CUDA context + NCCL + allocator slack (default %(default)s)")
     p.add_argument("--gpu-gib", type=float, default=139.8, help="usable memory of one GPU (H200: 139.8 GiB)")
@@ -344,6 +352,7 @@ def main(argv=None) -> int:
     if cf is None:
         cf = float(d["mok-capacity-factor"][0]) if d.get("mok-capacity-factor") else 1.0
     m.capacity_factor = cf
+    m.save_gate_up = not (a.mok_recompute_gate_up or "mok-recompute-gate-up" in d)
     world = a.nodes * a.gpus_per_node
     dp, edp, nmb, rows = estimate(m, world, a.overhead_gib)
     tot, mtp = m.total_params()
@@ -356,7 +365,8 @@ def main(argv=None) -> int:
           f"hidden dropout {m.hidden_dropout}; optimizer {m.optimizer}, distributed optimizer "
           f"{'on' if m.dist_opt else 'off'}; --moe-backend {m.backend}"
           + (f", capacity factor {cf} = {m.mok_capacity()} routed rows per rank "
-             f"({m.mok_capacity() / (m.seq * m.mbs / m.tp * m.k):.2f}x the balanced load)" if m.backend == "mok" else ""))
+             f"({m.mok_capacity() / (m.seq * m.mbs / m.tp * m.k):.2f}x the balanced load), gate/up outputs "
+             f"{'kept' if m.save_gate_up else 'recomputed'}" if m.backend == "mok" else ""))
     per_layer = {kind: m.act_layer(kind == "moe") / GIB for kind in ("dense", "moe")}
     print(f"activations per micro-batch: dense layer {per_layer['dense']:.2f} GiB, MoE layer {per_layer['moe']:.2f} GiB")
     hdr = (f"{'rank':>4} {'stages':<22} {'dense P':>8} {'expert P':>8} {'params':>7} {'grads':>7} {'optim':>7} "
