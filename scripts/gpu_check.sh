@@ -2,7 +2,7 @@
 # On the GPU box: install the carried wheels, build the extension, run the GPU tests (1 and 2 GPUs)
 # and the layer benchmark; full logs under $OUT (or ./gpu_check_out), a short summary at the end.
 #
-#   STAGES   space list of build test1 test2 bench benchbwd bench1 e2e (default: build test1 test2 bench)
+#   STAGES   space list of build test1 test2 bench benchbwd bench1 e2e profile (default: build test1 test2 bench)
 #   BENCH_ARGS  arguments of scripts/bench_layer.py (default: the full forward matrix; symm_a2a is
 #               left out: torch 2.11 cannot run it with > 16 local experts, see docs/KERNELS.md)
 #   BWD_BENCH_ARGS  arguments of the benchwd stage (default: DeepSeek-V3, T=4096, mok,
@@ -119,9 +119,26 @@ if stage e2e && [[ "$NGPU" -ge 2 ]]; then
   done
 fi
 
+# Where a training step's GPU time goes: one short run per backend with Megatron's torch profiler on
+# rank 0 (steps 10-11 of 14), summarized by scripts/trace_summary.py into $OUT/profile_<backend>.json.
+#   PROFILE_CONFIG [configs/deepseek-v3-proxy.args]  PROFILE_BACKENDS [mok,alltoall]
+if stage profile && [[ "$NGPU" -ge 2 ]]; then
+  t0=$(date +%s)
+  for b in $(tr , ' ' <<< "${PROFILE_BACKENDS:-mok,alltoall}"); do
+    d=/tmp/mok_profile_$b
+    rm -rf "$d"
+    timeout -k 10 "${PROFILE_LIMIT:-240}" python3 scripts/compare_backends.py --config "${PROFILE_CONFIG:-configs/deepseek-v3-proxy.args}" \
+      --backends "$b" --nproc-per-node "$NGPU" --iters 14 --warmup 3 --timeout "${PROFILE_LIMIT:-240}" --python python3 \
+      --out "$d" -- --profile --use-pytorch-profiler --profile-step-start 10 --profile-step-end 12 --profile-ranks 0 \
+      --tensorboard-dir "$d/tb" > "$OUT/profile_$b.log" 2>&1
+    python3 scripts/trace_summary.py "$d/torch_profile/rank-0.json.gz" --steps 2 --json "$OUT/profile_$b.json" 2>&1 | head -30
+  done
+  RESULT[profile]="done ($(elapsed $t0))"
+fi
+
 echo
 echo "== summary ($(elapsed $T_START) total)"
-for k in build test1_skip_pad_on test1 test2 bench benchbwd bench1 e2e; do
+for k in build test1_skip_pad_on test1 test2 bench benchbwd bench1 e2e profile; do
   [[ -n "${RESULT[$k]:-}" ]] && printf '%-7s %s\n' "$k" "${RESULT[$k]}"
 done
 newest="$(ls -t bench/results/*.json 2>/dev/null | head -1)"
