@@ -177,7 +177,14 @@ void combine(const Tensor& y, const Tensor& row_src_rank, const Tensor& row_src_
                             static_cast<int>(y.size(1)), static_cast<int>(num_ctas), current_stream()));
 }
 
-void moe_epilogue(const Tensor& comb, const Tensor& probs, const std::optional<Tensor>& shared_y, Tensor& out) {
+// Checked shapes of the epilogue's tensors (both epilogue ops).
+struct EpilogueArgs {
+  int T, H, k;
+  const void* shared_y;
+};
+
+EpilogueArgs epilogue_args(const Tensor& comb, const Tensor& probs, const std::optional<Tensor>& shared_y,
+                           const Tensor& out) {
   check_cuda(comb, "comb", at::kBFloat16);
   check_cuda(probs, "probs", at::kFloat);
   check_cuda(out, "out", at::kBFloat16);
@@ -190,10 +197,14 @@ void moe_epilogue(const Tensor& comb, const Tensor& probs, const std::optional<T
     TORCH_CHECK(shared_y->sizes() == out.sizes(), "megatron_mok: shared_y must be [T, H]");
     sy = shared_y->data_ptr();
   }
+  return {static_cast<int>(T), static_cast<int>(H), static_cast<int>(k), sy};
+}
+
+void moe_epilogue(const Tensor& comb, const Tensor& probs, const std::optional<Tensor>& shared_y, Tensor& out) {
+  const EpilogueArgs e = epilogue_args(comb, probs, shared_y, out);
   c10::cuda::CUDAGuard guard(out.device());
-  check(mok::launch_epilogue(comb.data_ptr(), probs.data_ptr<float>(), sy, out.data_ptr(), static_cast<int>(T),
-                             static_cast<int>(k), static_cast<int>(H), nullptr, nullptr, nullptr, 1, 0,
-                             current_stream()));
+  check(mok::launch_epilogue(comb.data_ptr(), probs.data_ptr<float>(), e.shared_y, out.data_ptr(), e.T, e.k, e.H,
+                             nullptr, nullptr, nullptr, 1, 0, current_stream()));
 }
 
 // The epilogue behind the closing half of the barrier the megakernel opened (peer_flags[rank] is
@@ -201,27 +212,15 @@ void moe_epilogue(const Tensor& comb, const Tensor& probs, const std::optional<T
 void moe_epilogue_wait(const Tensor& comb, const Tensor& probs, const std::optional<Tensor>& shared_y, Tensor& out,
                        const Tensor& state, Tensor& errors, std::vector<int64_t> peer_flags, int64_t rank,
                        double timeout_s) {
-  check_cuda(comb, "comb", at::kBFloat16);
-  check_cuda(probs, "probs", at::kFloat);
-  check_cuda(out, "out", at::kBFloat16);
+  const EpilogueArgs e = epilogue_args(comb, probs, shared_y, out);
   check_cuda(state, "state", at::kInt);
   check_cuda(errors, "errors", at::kInt);
-  TORCH_CHECK(out.dim() == 2 && probs.dim() == 2 && probs.size(0) == out.size(0), "megatron_mok: out [T, H], probs [T, k]");
-  const int64_t T = out.size(0), H = out.size(1), k = probs.size(1);
-  TORCH_CHECK(comb.numel() >= T * k * H, "megatron_mok: combine buffer smaller than [T * k, H]");
-  const void* sy = nullptr;
-  if (shared_y.has_value()) {
-    check_cuda(*shared_y, "shared_y", at::kBFloat16);
-    TORCH_CHECK(shared_y->sizes() == out.sizes(), "megatron_mok: shared_y must be [T, H]");
-    sy = shared_y->data_ptr();
-  }
   const mok::PeerPtrs flags = peers(peer_flags, "peer_flags");
   TORCH_CHECK(rank >= 0 && rank < static_cast<int64_t>(peer_flags.size()), "megatron_mok: bad rank");
   c10::cuda::CUDAGuard guard(out.device());
-  check(mok::launch_epilogue(comb.data_ptr(), probs.data_ptr<float>(), sy, out.data_ptr(), static_cast<int>(T),
-                             static_cast<int>(k), static_cast<int>(H), static_cast<const int*>(flags.p[rank]),
-                             state.data_ptr<int>(), errors.data_ptr<int>(), static_cast<int>(peer_flags.size()),
-                             timeout_ns_of(timeout_s), current_stream()));
+  check(mok::launch_epilogue(comb.data_ptr(), probs.data_ptr<float>(), e.shared_y, out.data_ptr(), e.T, e.k, e.H,
+                             static_cast<const int*>(flags.p[rank]), state.data_ptr<int>(), errors.data_ptr<int>(),
+                             static_cast<int>(peer_flags.size()), timeout_ns_of(timeout_s), current_stream()));
 }
 
 void megakernel(const Tensor& x, const Tensor& fc1, const Tensor& fc2, const std::optional<Tensor>& shared_fc1,
