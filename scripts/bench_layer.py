@@ -10,6 +10,7 @@ Backends (same inputs, same weights, bf16, one shared expert of size Is = I):
   mok       megatron_mok.build_schedule + megatron_mok.forward (the CUDA kernels of csrc/; the
             forward is the persistent megakernel unless MOK_FORWARD=staged)
   mok_staged  the same with the stage-2 forward launches (kernel_path.FORWARD_PATH = "staged")
+  mok_unpaired  mok with MOK_GEMM_PAIRED=0: the GEMMs without 2-CTA clusters sharing A (same bits)
   mok_recompute  mok with MoKConfig(save_gate_up=False): the forward keeps no gate/up outputs and
             the backward recomputes them (the activation-checkpointing memory mode)
   alltoall  Megatron-Core MoEAlltoAllTokenDispatcher (NCCL all-to-all) + torch._grouped_mm experts
@@ -30,6 +31,8 @@ before it, both divided by T.
 Timing: CUDA events around every iteration on every rank, warm-up first; the reported time is the
 median over iterations of the per-iteration maximum over ranks. Forward FLOPs per rank =
 6 T k H I + 6 T H Is. The roofline is an 8192^3 bf16 matmul measured in the same run.
+--breakdown (mok) also times each launch of the staged forward, once with the GEMMs' 2-CTA clusters
+(default) and once with MOK_GEMM_PAIRED=0.
 Correctness gate first: mok against the fp32 reference (megatron_mok.reference) at T=256 with the
 real H, I, E, k; every backend's output against mok's (relative error, reported).
 Results: bench/results/<YYYY-MM-DD>_<gpu>_ep<N>_<pass>.json (merged with an existing file).
@@ -38,6 +41,7 @@ Results: bench/results/<YYYY-MM-DD>_<gpu>_ep<N>_<pass>.json (merged with an exis
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -62,8 +66,8 @@ from megatron_mok.shapes import MOE_SHAPES  # noqa: E402
 
 # model: (experts, hidden H, expert I, top-k); one shared expert with Is = I (docs: DESIGN.md)
 SHAPES = {name: (s.num_experts, s.hidden, s.ffn, s.topk) for name, s in MOE_SHAPES.items()}
-BACKENDS = ("mok", "mok_staged", "mok_recompute", "alltoall", "symm_a2a")
-BWD_BACKENDS = ("mok", "mok_recompute", "alltoall")
+BACKENDS = ("mok", "mok_staged", "mok_recompute", "mok_unpaired", "alltoall", "symm_a2a")
+BWD_BACKENDS = ("mok", "mok_recompute", "mok_unpaired", "alltoall")
 
 
 _T0 = time.time()
@@ -162,6 +166,16 @@ def backend_mok_staged(c, dev):
 
 def backend_mok_recompute(c, dev):
     return backend_mok(c, dev, save_gate_up=False, name="mok_recompute")
+
+
+def backend_mok_unpaired(c, dev):
+    step, ws = backend_mok(c, dev, name="mok_unpaired")
+
+    def unpaired_step():
+        with env_var("MOK_GEMM_PAIRED", "0"):
+            return step()
+
+    return unpaired_step, ws
 
 
 def _megatron_groups():
@@ -297,6 +311,7 @@ def backend_symm_a2a(c, dev):
 
 
 BACKEND_FNS = {"mok": backend_mok, "mok_staged": backend_mok_staged, "mok_recompute": backend_mok_recompute,
+               "mok_unpaired": backend_mok_unpaired,
                "alltoall": backend_alltoall,
                "symm_a2a": backend_symm_a2a}
 
@@ -338,6 +353,20 @@ def matmul_roofline(dev) -> float:
         times.append(s.elapsed_time(e))
     times.sort()
     return 2 * n**3 / (times[len(times) // 2] * 1e-3) / 1e12
+
+
+@contextlib.contextmanager
+def env_var(name: str, value: str):
+    """Set an environment variable for the block (the kernels read some per launch)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = old
 
 
 def mok_breakdown(c, dev, iters: int) -> dict:
@@ -490,7 +519,7 @@ def run_cases(args, backends, dev) -> list[dict]:
                         e = torch.tensor([float((out.float() - ref_out).norm() / ref_out.norm())], device=dev)
                         dist.all_reduce(e, op=dist.ReduceOp.MAX)
                         row["rel_err_vs_mok"] = float(e)
-                    if be in ("mok_staged", "mok_recompute") and ref_bits is not None:
+                    if be in ("mok_staged", "mok_recompute", "mok_unpaired") and ref_bits is not None:
                         same = torch.tensor([int(torch.equal(out.view(torch.int16), ref_bits.view(torch.int16)))],
                                             device=dev)
                         dist.all_reduce(same, op=dist.ReduceOp.MIN)
@@ -501,9 +530,12 @@ def run_cases(args, backends, dev) -> list[dict]:
                     row.update(ms=med, ms_p10=ts[len(ts) // 10], ms_p90=ts[(9 * len(ts)) // 10], iters=len(ts),
                                tflops=flops / (med * 1e-3) / 1e12, status="ok")
                     if be == "mok" and args.breakdown:
-                        row["stages_ms"] = mok_breakdown(c, dev, args.iters)
-                        log("  mok stages (ms, median of max over ranks): "
-                            + ", ".join(f"{k}={v:.3f}" for k, v in row["stages_ms"].items()))
+                        # the GEMMs with and without 2-CTA clusters sharing A (same bits)
+                        for paired, key in (("1", "stages_ms"), ("0", "stages_ms_unpaired")):
+                            with env_var("MOK_GEMM_PAIRED", paired):
+                                row[key] = mok_breakdown(c, dev, args.iters)
+                            log(f"  mok stages, MOK_GEMM_PAIRED={paired} (ms, median of max over ranks): "
+                                + ", ".join(f"{k}={v:.3f}" for k, v in row[key].items()))
                 except Exception as exc:  # noqa: BLE001
                     row.update(status="error", error=f"{type(exc).__name__}: {exc}")
                     if dist.get_rank() == 0:
@@ -652,7 +684,7 @@ def main() -> None:
             command=os.environ.get("MOK_BENCH_CMD", " ".join([sys.executable] + sys.argv)),
             argv=sys.argv, torch=torch.__version__, cuda=torch.version.cuda, gpu=gpu, ep=ep, pass_=args.pass_,
             date=datetime.date.today().isoformat(), matmul_8192_tflops=roof, seconds=time.time() - t0,
-            env={k: os.environ.get(k) for k in (*NO_MULTICAST_ENV, "MOK_FORWARD", "MOK_BACKWARD", "MOK_GEMM_SKIP_PAD")},
+            env={k: os.environ.get(k) for k in (*NO_MULTICAST_ENV, "MOK_FORWARD", "MOK_BACKWARD", "MOK_GEMM_SKIP_PAD", "MOK_GEMM_PAIRED")},
             results=sorted(old.values(), key=lambda r: (r["shape"], r["tokens"], r["backend"])))
         if os.environ.get("MOK_BENCH_NOTE"):
             doc["note"] = os.environ["MOK_BENCH_NOTE"]

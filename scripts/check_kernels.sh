@@ -2,7 +2,8 @@
 # CPU compile check of every CUDA kernel file (no GPU, no torch headers needed):
 #   nvcc -gencode=arch=compute_90a,code=sm_90a per csrc/kernels/*.cu, -Xptxas -v;
 #   fails on any compile error, on register spills / stack frames in the GEMM kernels, on ptxas
-#   serializing their wgmmas (C7515), and if the SASS of the GEMM objects holds no HGMMA (wgmma).
+#   serializing their wgmmas (C7515), if the SASS of the GEMM objects holds no HGMMA (wgmma), and
+#   if a grouped GEMM kernel fences at GPU scope more than twice (a per-stage fence).
 # Usage: scripts/check_kernels.sh [python]   (default: python3). Installs nvidia-cutlass==4.2.0.0
 # (--no-deps) into that python when its headers are missing. nvcc 13.0 must be on PATH.
 set -euo pipefail
@@ -60,6 +61,11 @@ for src in "$ROOT"/csrc/kernels/*.cu; do
       result="WGMMA SERIALIZED (C7515)"; grep "C7515" "$OUT/$name.log"; status=1
     elif ! "$CUOBJDUMP" --dump-sass "$OUT/$name.o" | grep -q HGMMA; then
       result="NO HGMMA in SASS"; status=1
+    elif [[ $name == grouped_gemm ]] && "$CUOBJDUMP" --dump-sass "$OUT/$name.o" \
+         | awk '/Function :/{n=0} /MEMBAR.ALL.GPU/{if(++n>2) bad=1} END{exit !bad}'; then
+      # only the two cluster barriers (start, end) may fence at GPU scope; a fence per ring stage
+      # (e.g. a .release.cluster arrival) costs ~25% of the GEMM
+      result="MEMBAR.ALL.GPU in the GEMM main loop"; status=1
     else
       result="ok (HGMMA: $("$CUOBJDUMP" --dump-sass "$OUT/$name.o" | grep -c HGMMA), $(grep -o 'Used [0-9]* registers' "$OUT/$name.log" | sort -u | tr '\n' ' '))"
     fi

@@ -1,5 +1,6 @@
 // Persistent, warp-specialised grouped GEMM (see grouped_gemm.cuh): the routed experts' gate/up
 // GEMM with SwiGLU fused in the epilogue, the down GEMM, and the shared expert (one segment).
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "grouped_gemm.cuh"
@@ -7,22 +8,32 @@
 namespace mok {
 namespace {
 
-template <bool kSwiGLU>
+// Work unit u: m-tile u / n_units_m, n-tiles n0 = u % n_units_m (unpaired) or 2 (u % n_units_m) +
+// cluster rank (paired; the unpaired grid and the paired grid run the same tiles, so same bits).
+// Paired with an odd tile count, the second CTA of the last pair has no tile of its own: it still
+// loads its half of A (and a valid B box) so that the ring protocol stays symmetric, but computes
+// and stores nothing.
+template <bool kSwiGLU, bool kPaired>
 __global__ void __launch_bounds__(gemm::kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
                         gemm::Params p) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const gemm::Smem sm = gemm::carve_smem(smem_raw);
   const int total = gemm::rows_total(p);
-  const int num_tiles = (total + gemm::BM - 1) / gemm::BM * p.n_tiles;
+  const int n_units_m = kPaired ? (p.n_tiles + 1) / 2 : p.n_tiles;
+  const int num_units = (total + gemm::BM - 1) / gemm::BM * n_units_m;
+  const int first = kPaired ? blockIdx.x / 2 : blockIdx.x;
+  const int stride = kPaired ? gridDim.x / 2 : gridDim.x;
+  const int rank = kPaired ? static_cast<int>(cluster_ctarank()) : 0;
   if (threadIdx.x == 0) {
     for (int s = 0; s < gemm::kStages; ++s) {
       mbar_init(&sm.full[s], 1);
-      mbar_init(&sm.empty[s], 256);
+      mbar_init(&sm.empty[s], gemm::empty_arrivals(kPaired));
     }
     mbar_fence_init();
   }
-  __syncthreads();
+  // paired: the peer multicasts into this CTA's ring only after its barriers exist
+  if constexpr (kPaired) cluster_sync(); else __syncthreads();
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     setmaxnreg_dec<40>();
@@ -30,35 +41,71 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
       tma_prefetch_desc(&tmA);
       tma_prefetch_desc(&tmB);
       uint32_t it = 0;
-      for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x)
-        gemm::produce_tile<kSwiGLU>(p, &tmA, &tmB, sm, tile, it);
+      for (int u = first; u < num_units; u += stride) {
+        const int m = u / n_units_m;
+        const int n = kPaired ? min(2 * (u % n_units_m) + rank, p.n_tiles - 1) : u % n_units_m;
+        gemm::produce_tile<kSwiGLU, false, kPaired>(p, &tmA, &tmB, sm, m * p.n_tiles + n, it);
+      }
     }
   } else {
     setmaxnreg_inc<232>();
     const int cw = wg - 1;
     float acc[128];
     uint32_t it = 0;
-    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-      const bool active = gemm::half_active(p, tile, cw);
-      gemm::mma_tile(p, sm, cw, acc, it, active);
-      gemm::store_tile<kSwiGLU>(p, tile, cw, acc, total, active);
+    for (int u = first; u < num_units; u += stride) {
+      const int m = u / n_units_m;
+      const int n = kPaired ? 2 * (u % n_units_m) + rank : u % n_units_m;
+      const bool own = n < p.n_tiles;
+      const int tile = m * p.n_tiles + min(n, p.n_tiles - 1);
+      const bool active = own && gemm::half_active(p, tile, cw);
+      gemm::mma_tile<false, kPaired>(p, sm, cw, acc, it, active);
+      if (own) gemm::store_tile<kSwiGLU>(p, tile, cw, acc, total, active);
     }
   }
+  // paired: no CTA leaves while its peer may still multicast into it or arrive on its barriers
+  if constexpr (kPaired) cluster_sync();
 }
 
-template <bool kSwiGLU>
-const char* launch(const CUtensorMap& tmA, const CUtensorMap& tmB, const gemm::Params& p, int max_tiles, int num_ctas,
+template <bool kSwiGLU, bool kPaired>
+const char* launch(const CUtensorMap& tmA, const CUtensorMap& tmB, const gemm::Params& p, int max_units, int num_ctas,
                    cudaStream_t stream) {
-  static bool configured = false;
-  if (!configured) {
-    if (cudaFuncSetAttribute(grouped_gemm_kernel<kSwiGLU>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             gemm::kSmemBytes) != cudaSuccess)
-      return "mok grouped_gemm: cannot raise the shared-memory limit";
-    configured = true;
+  auto kernel = grouped_gemm_kernel<kSwiGLU, kPaired>;
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 2;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  cfg.blockDim = dim3(gemm::kThreads);
+  cfg.dynamicSmemBytes = gemm::kSmemBytes;
+  cfg.stream = stream;
+  if (kPaired) {
+    cfg.attrs = &cluster;
+    cfg.numAttrs = 1;
   }
-  if (num_ctas <= 0) num_ctas = num_sms();
-  const int grid = max(1, min(num_ctas, max_tiles));
-  grouped_gemm_kernel<kSwiGLU><<<grid, gemm::kThreads, gemm::kSmemBytes, stream>>>(tmA, tmB, p);
+  static int max_units_at_once = 0;  // CTAs (unpaired) or 2-CTA clusters (paired) that fit at once
+  if (max_units_at_once == 0) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, gemm::kSmemBytes) != cudaSuccess)
+      return "mok grouped_gemm: cannot raise the shared-memory limit";
+    max_units_at_once = kPaired ? num_sms() / 2 : num_sms();
+    if (kPaired) {
+      int n = 0;
+      cfg.gridDim = dim3(2);
+      if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) == cudaSuccess && n > 0) max_units_at_once = n;
+      cudaGetLastError();
+    }
+    if (getenv("MOK_VERBOSE") != nullptr)
+      fprintf(stderr, "mok grouped_gemm: paired=%d, %d %s fit at once\n", kPaired, max_units_at_once,
+              kPaired ? "clusters" : "CTAs");
+  }
+  int units = num_ctas > 0 ? (kPaired ? num_ctas / 2 : num_ctas) : max_units_at_once;
+  units = max(1, min(units, max_units));
+  cfg.gridDim = dim3(kPaired ? 2 * units : units);
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, tmA, tmB, p);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return cudaGetErrorString(e);
+  }
   return launch_status();
 }
 
@@ -68,16 +115,19 @@ const char* launch_grouped_gemm(bool swiglu, const void* A, int64_t a_rows, int 
                                 int b_rows_per_seg, const int* seg_offsets, const int* seg_counts, int nseg,
                                 void* out, void* pre_out, int N, int num_ctas, cudaStream_t stream) {
   // MOK_GEMM_SKIP_PAD=0 computes padding rows too (same bits; for A/B timing and as a fallback).
+  // MOK_GEMM_PAIRED=0 runs one CTA per tile without clusters (same bits; for A/B timing).
   static const int skip_padding = [] {
     const char* v = getenv("MOK_GEMM_SKIP_PAD");
     return (v != nullptr && v[0] == '0') ? 0 : 1;
   }();
+  const char* paired_env = getenv("MOK_GEMM_PAIRED");  // read per call: tests switch it
+  const bool paired = !(paired_env != nullptr && paired_env[0] == '0');
   if (a_rows <= 0 || N <= 0) return nullptr;
   if (K <= 0 || K % 8 || N % 8) return "mok grouped_gemm: K and N must be positive multiples of 8";
   if (a_rows > (int64_t)1 << 30) return "mok grouped_gemm: too many rows";
   if (nseg < 1) return "mok grouped_gemm: no segments";
   CUtensorMap tmA, tmB;
-  if (const char* m = make_tmap_bf16_2d(&tmA, A, a_rows, K, K, gemm::BM)) return m;
+  if (const char* m = make_tmap_bf16_2d(&tmA, A, a_rows, K, K, paired ? gemm::BM / 2 : gemm::BM)) return m;
   if (const char* m = make_tmap_bf16_2d(&tmB, B, (uint64_t)nseg * b_rows_per_seg, K, K, gemm::BN / 2)) return m;
   gemm::Params p;
   p.seg_offsets = seg_offsets;
@@ -91,9 +141,15 @@ const char* launch_grouped_gemm(bool swiglu, const void* A, int64_t a_rows, int 
   p.n_tiles = (N + (swiglu ? gemm::BN / 2 : gemm::BN) - 1) / (swiglu ? gemm::BN / 2 : gemm::BN);
   p.out = static_cast<__nv_bfloat16*>(out);
   p.pre_out = swiglu ? static_cast<__nv_bfloat16*>(pre_out) : nullptr;
-  const int max_tiles = static_cast<int>((a_rows + gemm::BM - 1) / gemm::BM) * p.n_tiles;
-  return swiglu ? launch<true>(tmA, tmB, p, max_tiles, num_ctas, stream)
-                : launch<false>(tmA, tmB, p, max_tiles, num_ctas, stream);
+  const int m_tiles = static_cast<int>((a_rows + gemm::BM - 1) / gemm::BM);
+  if (paired) {
+    const int units = m_tiles * ((p.n_tiles + 1) / 2);
+    return swiglu ? launch<true, true>(tmA, tmB, p, units, num_ctas, stream)
+                  : launch<false, true>(tmA, tmB, p, units, num_ctas, stream);
+  }
+  const int units = m_tiles * p.n_tiles;
+  return swiglu ? launch<true, false>(tmA, tmB, p, units, num_ctas, stream)
+                : launch<false, false>(tmA, tmB, p, units, num_ctas, stream);
 }
 
 }  // namespace mok

@@ -4,8 +4,13 @@
 // 128 rows each as the 256 B-rows, so gate column j and up column j sit in the same thread's
 // accumulators (d[i] and d[i + 64]) and the epilogue computes silu(gate) * up in registers.
 //
+// Paired mode (kPaired, clusters of 2 CTAs): the two CTAs of a cluster run n-tiles 2j and 2j + 1
+// of the same m-tile in lockstep and share A: each loads one 64-row half of A and multicasts it into
+// both CTAs' ring (cluster multicast, on-chip), so a CTA pulls 40 instead of 48 KB per stage from
+// L2. A stage is then refilled only after the consumers of both CTAs freed it.
+//
 // Tiles are owned by exactly one CTA and reduce over K in a fixed order, so the output bits do not
-// depend on the grid size or on which CTA runs which tile.
+// depend on the grid size, the pairing or on which CTA runs which tile.
 #pragma once
 
 #include "common.cuh"
@@ -22,6 +27,7 @@ constexpr int kThreads = 384;    // warpgroup 0: producer; 1, 2: consumers (64 r
 constexpr int kABytes = BM * BK * 2;        // 16 KB
 constexpr int kBBytes = BN * BK * 2;        // 32 KB
 constexpr int kStageBytes = kABytes + kBBytes;
+constexpr int kConsumerWarps = 8;         // each arrives once per stage on an empty barrier
 constexpr int kSmemBytes = kStages * kStageBytes + 1024 /* alignment */ + 2 * kStages * 8;
 
 struct Params {
@@ -81,10 +87,27 @@ __device__ __forceinline__ bool ring_wait(uint64_t* bar, uint32_t parity, const 
   }
 }
 
+// A consumer warp frees stage `s` of the ring: one arrival per warp, on this CTA's empty barrier
+// and, paired, on the peer's (whose producer multicasts half of A into this CTA's stage).
+template <bool kPaired>
+__device__ __forceinline__ void release_stage(uint64_t* empty) {
+  __syncwarp();
+  const int lane = threadIdx.x % 32;
+  if (lane == 0) mbar_arrive(empty);
+  if constexpr (kPaired) {
+    if (lane == 1) mbar_arrive_remote(empty, cluster_ctarank() ^ 1);
+  }
+}
+
+// Empty-barrier arrivals per stage phase: the consumer warps of every CTA that writes the stage.
+__host__ __device__ constexpr int empty_arrivals(bool paired) { return kConsumerWarps * (paired ? 2 : 1); }
+
 // Producer: one thread streams the A and B K-blocks of `tile` through the ring. stage_tag (the
 // megakernel): `tag` is written to stage_tag[s] of the tile's first stage before it is armed, so
-// the consumers learn which task the stage belongs to.
-template <bool kSwiGLU, bool kWatch = false>
+// the consumers learn which task the stage belongs to. Paired: tmA has 64-row boxes and this CTA
+// loads (and multicasts to both CTAs) A half cluster_ctarank(); its peer runs a tile of the same
+// m-tile with the same K, so both rings advance in lockstep.
+template <bool kSwiGLU, bool kWatch = false, bool kPaired = false>
 __device__ __forceinline__ void produce_tile(const Params& p, const CUtensorMap* tmA, const CUtensorMap* tmB,
                                              const Smem& sm, int tile, uint32_t& it, const Watchdog* w = nullptr,
                                              volatile int* stage_tag = nullptr, int tag = 0) {
@@ -94,13 +117,17 @@ __device__ __forceinline__ void produce_tile(const Params& p, const CUtensorMap*
   const int b0 = kSwiGLU ? brow + n * (BN / 2) : brow + n * BN;
   const int b1 = kSwiGLU ? brow + p.N + n * (BN / 2) : b0 + BN / 2;
   const int nk = (p.K + BK - 1) / BK;
+  const int half = kPaired ? static_cast<int>(cluster_ctarank()) : 0;
   for (int kb = 0; kb < nk; ++kb, ++it) {
     const int s = it % kStages;
     const uint32_t phase = (it / kStages) & 1;
     ring_wait<kWatch>(&sm.empty[s], phase ^ 1, w);
     if (stage_tag != nullptr && kb == 0) stage_tag[s] = tag;
     mbar_arrive_expect_tx(&sm.full[s], kStageBytes);
-    tma_load_2d(sm.a(s), tmA, &sm.full[s], kb * BK, row0);
+    if constexpr (kPaired)
+      tma_load_2d_multicast(sm.a(s) + half * (kABytes / 2), tmA, &sm.full[s], kb * BK, row0 + half * (BM / 2), 0x3);
+    else
+      tma_load_2d(sm.a(s), tmA, &sm.full[s], kb * BK, row0);
     tma_load_2d(sm.b(s), tmB, &sm.full[s], kb * BK, b0);
     tma_load_2d(sm.b(s) + kBBytes / 2, tmB, &sm.full[s], kb * BK, b1);
   }
@@ -120,7 +147,7 @@ __device__ __forceinline__ bool half_active(const Params& p, int tile, int cw) {
 // Consumer warpgroup `cw` (0 or 1): rows 64 cw .. 64 cw + 63 of the tile, all 256 columns.
 // An inactive warpgroup only keeps the ring's barrier phases and leaves acc untouched (store_tile
 // writes its zeros): any non-wgmma write of acc here makes ptxas serialize every wgmma (C7515).
-template <bool kWatch = false>
+template <bool kWatch = false, bool kPaired = false>
 __device__ __forceinline__ void mma_tile(const Params& p, const Smem& sm, int cw, float (&acc)[128], uint32_t& it,
                                          bool active, const Watchdog* w = nullptr) {
   const int nk = (p.K + BK - 1) / BK;
@@ -128,7 +155,7 @@ __device__ __forceinline__ void mma_tile(const Params& p, const Smem& sm, int cw
     for (int kb = 0; kb < nk; ++kb, ++it) {
       const int s = it % kStages;
       ring_wait<kWatch>(&sm.full[s], (it / kStages) & 1, w);
-      mbar_arrive(&sm.empty[s]);
+      release_stage<kPaired>(&sm.empty[s]);
     }
     return;
   }
@@ -147,13 +174,13 @@ __device__ __forceinline__ void mma_tile(const Params& p, const Smem& sm, int cw
     wgmma_commit();
     if (prev >= 0) {
       wgmma_wait<1>();
-      mbar_arrive(&sm.empty[prev]);
+      release_stage<kPaired>(&sm.empty[prev]);
     }
     prev = s;
   }
   wgmma_wait<0>();
   fence_regs(acc);
-  mbar_arrive(&sm.empty[prev]);
+  release_stage<kPaired>(&sm.empty[prev]);
 }
 
 // Epilogue straight from the accumulators: bf16 pairs to global memory, rows < row_limit,

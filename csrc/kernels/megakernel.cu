@@ -23,9 +23,15 @@
 // the staged grouped GEMM, and the dispatch and combine copy values unchanged, so the results do
 // not depend on num_comm, the grid size or minibatch_rows (tested bitwise against the staged path).
 //
+// Paired (default; MOK_GEMM_PAIRED=0 turns it off, same bits): CTAs run in 2-CTA clusters. A task
+// is then an m-tile and a pair of n-tiles (2j, 2j + 1); the cluster's first CTA claims it and hands
+// it to the second through a shared-memory mailbox, each CTA computes one of the two tiles, and they
+// share A through cluster multicast (grouped_gemm.cuh). Dispatching is per cluster as well.
+//
 // Counters live in a per-workspace int32 buffer that the last CTA to finish zeroes again, so a
 // CUDA graph replays it. Every wait has a watchdog (%globaltimer): a stall sets
 // errors[kErrKernelStall] = 1 + rank and an abort flag, and the kernel ends instead of hanging.
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "barrier.cuh"
@@ -44,6 +50,7 @@ constexpr int kUnitRows = 8;                    // rows a dispatching warp copie
 constexpr int kUnitsPerTile = BM / kUnitRows;   // 16
 constexpr int kCopyUnroll = 8;                  // 16-byte loads in flight per lane
 constexpr int kPushRows = BM / 2 / 4;           // y rows each consumer warp pushes per down tile
+constexpr int kMailbox = 8;                     // task mailbox slots (> kStages + 1: never overrun)
 
 // Counter buffer: header, then ready[max_mtiles], up_done[max_mtiles], sup_done[shared_mtiles].
 enum Counter : int { kTicket = 0, kRole = 1, kExit = 2, kAbort = 3, kHeader = 4 };
@@ -93,20 +100,28 @@ __device__ __forceinline__ Watchdog watchdog(const Params& p) {
 // Routed rows that exist this launch (device value; a multiple of BM).
 __device__ __forceinline__ int routed_rows(const Params& p) { return min(p.expert_offsets[p.nle], p.capacity); }
 
-__device__ __forceinline__ int num_tasks(const Params& p, int mr) {
-  return p.shared_mtiles * (p.g[kSharedUp].n_tiles + p.g[kSharedDown].n_tiles) +
-         mr * (p.g[kRoutedUp].n_tiles + p.g[kRoutedDown].n_tiles);
+// Tasks per m-tile of a GEMM: its n-tiles, or (paired) its pairs of n-tiles.
+template <bool kPaired>
+__device__ __forceinline__ int units(const gemm::Params& g) {
+  return kPaired ? (g.n_tiles + 1) / 2 : g.n_tiles;
 }
 
-// Task t (< num_tasks) of the list in the header comment.
+template <bool kPaired>
+__device__ __forceinline__ int num_tasks(const Params& p, int mr) {
+  return p.shared_mtiles * (units<kPaired>(p.g[kSharedUp]) + units<kPaired>(p.g[kSharedDown])) +
+         mr * (units<kPaired>(p.g[kRoutedUp]) + units<kPaired>(p.g[kRoutedDown]));
+}
+
+// Task t (< num_tasks) of the list in the header comment; n is the n-tile or (paired) the pair.
+template <bool kPaired>
 __device__ __forceinline__ Task decode(const Params& p, int t, int mr) {
-  const int n1s = p.g[kSharedUp].n_tiles, n2s = p.g[kSharedDown].n_tiles;
+  const int n1s = units<kPaired>(p.g[kSharedUp]), n2s = units<kPaired>(p.g[kSharedDown]);
   const int s1 = p.shared_mtiles * n1s, s2 = p.shared_mtiles * n2s;
   if (t < s1) return Task{kSharedUp, t / n1s, t % n1s};
   t -= s1;
   if (t < s2) return Task{kSharedDown, t / n2s, t % n2s};
   t -= s2;
-  const int n1 = p.g[kRoutedUp].n_tiles, n2 = p.g[kRoutedDown].n_tiles;
+  const int n1 = units<kPaired>(p.g[kRoutedUp]), n2 = units<kPaired>(p.g[kRoutedDown]);
   const int per_mb = p.mb_mtiles * (n1 + n2);
   const int b = t / per_mb;
   int r = t - b * per_mb;
@@ -166,16 +181,49 @@ __device__ void dispatch_rows(const Params& p, int role) {
 
 // ---- GEMM roles -----------------------------------------------------------------------------------
 
-__device__ void producer(const Params& p, const TMaps& tm, const gemm::Smem& sm, volatile int* stage_task) {
+// The task mailbox of a paired CTA: slot j % kMailbox holds its cluster leader's j-th claim (-1:
+// stop), published by a remote store and a cluster-scope arrival on full[j % kMailbox].
+struct Mailbox {
+  volatile int* box;
+  uint64_t* full;
+};
+
+__device__ __forceinline__ void mailbox_send(const Mailbox& mb, uint32_t j, int t) {
+  st_shared_cluster(mb.box + j % kMailbox, 1, t);
+  mbar_arrive_cluster(mb.full + j % kMailbox, 1);
+}
+
+__device__ __forceinline__ int mailbox_receive(const Mailbox& mb, uint32_t j, const Watchdog& w) {
+  uint64_t* bar = mb.full + j % kMailbox;
+  const uint32_t parity = (j / kMailbox) & 1;
+  if (!mbar_try_wait_cluster(bar, parity)) {
+    const uint64_t t0 = globaltimer_ns();
+    uint32_t spins = 0;
+    while (!mbar_try_wait_cluster(bar, parity))
+      if (watchdog_expired(w, t0, spins)) return -1;
+  }
+  return mb.box[j % kMailbox];
+}
+
+template <bool kPaired>
+__device__ void producer(const Params& p, const TMaps& tm, const gemm::Smem& sm, volatile int* stage_task,
+                         const Mailbox& mb) {
   const Watchdog w = watchdog(p);
   const int mr = routed_rows(p) / BM;
-  const int total = num_tasks(p, mr);
+  const int total = num_tasks<kPaired>(p, mr);
+  const int rank = kPaired ? static_cast<int>(cluster_ctarank()) : 0;
   uint32_t it = 0;
-  for (;;) {
-    if (ld_volatile(w.abort) != 0) break;  // watchdog exit somewhere: stop claiming
-    const int t = atomicAdd(p.counters + kTicket, 1);
-    if (t >= total) break;
-    const Task tk = decode(p, t, mr);
+  for (uint32_t j = 0;; ++j) {
+    int t = -1;
+    if (rank == 0) {
+      if (ld_volatile(w.abort) == 0) t = atomicAdd(p.counters + kTicket, 1);  // abort: stop claiming
+      if (t >= total) t = -1;
+      if constexpr (kPaired) mailbox_send(mb, j, t);
+    } else {
+      t = mailbox_receive(mb, j, w);
+    }
+    if (t < 0) break;
+    const Task tk = decode<kPaired>(p, t, mr);
     // gate/up tiles arrive once per consumer warpgroup
     if (tk.kind == kSharedDown) {
       wait_counter(sup_done_ctr(p, tk.m), 2 * p.g[kSharedUp].n_tiles, w);
@@ -185,11 +233,13 @@ __device__ void producer(const Params& p, const TMaps& tm, const gemm::Smem& sm,
       wait_counter(up_done_ctr(p, tk.m), 2 * p.g[kRoutedUp].n_tiles, w);
     }
     const gemm::Params& g = p.g[tk.kind];
-    const int tile = tk.m * g.n_tiles + tk.n;
+    // paired, odd n-tile count: the second CTA of the last pair loads a valid B box but computes nothing
+    const int n = kPaired ? min(2 * tk.n + rank, g.n_tiles - 1) : tk.n;
+    const int tile = tk.m * g.n_tiles + n;
     if (tk.kind == kSharedUp || tk.kind == kRoutedUp)
-      gemm::produce_tile<true, true>(g, &tm.a[tk.kind], &tm.b[tk.kind], sm, tile, it, &w, stage_task, t);
+      gemm::produce_tile<true, true, kPaired>(g, &tm.a[tk.kind], &tm.b[tk.kind], sm, tile, it, &w, stage_task, t);
     else
-      gemm::produce_tile<false, true>(g, &tm.a[tk.kind], &tm.b[tk.kind], sm, tile, it, &w, stage_task, t);
+      gemm::produce_tile<false, true, kPaired>(g, &tm.a[tk.kind], &tm.b[tk.kind], sm, tile, it, &w, stage_task, t);
   }
   // Sentinel: the consumers stop at a stage tagged -1 (armed without bytes).
   const int s = it % kStages;
@@ -231,12 +281,14 @@ __device__ __forceinline__ void push_rows(const Params& p, int m, int n, int cw,
 // One consumer warpgroup. The two warpgroups of a CTA never wait for each other (separate named
 // barriers, separate counter arrivals, separate exit), so a watchdog exit of one cannot strand the
 // other; inside a warpgroup every barrier is reached by all 128 threads in the same order.
+template <bool kPaired>
 __device__ void consumer(const Params& p, const gemm::Smem& sm, const volatile int* stage_task, int cw,
                          volatile int* s_misc) {
   const Watchdog w = watchdog(p);
   const int bar = 2 + cw;
   const bool leader = threadIdx.x % 128 == 0;
   const int mr = routed_rows(p) / BM;
+  const int rank = kPaired ? static_cast<int>(cluster_ctarank()) : 0;
   float acc[128];
   uint32_t it = 0;
   for (;;) {
@@ -245,11 +297,14 @@ __device__ void consumer(const Params& p, const gemm::Smem& sm, const volatile i
     if (warpgroup_bar_or(bar, !ok || ld_volatile(w.abort) != 0)) break;  // watchdog: stop (uniformly)
     const int t = stage_task[s];
     if (t < 0) break;
-    const Task tk = decode(p, t, mr);
+    const Task tk = decode<kPaired>(p, t, mr);
     const gemm::Params& g = p.g[tk.kind];
-    const int tile = tk.m * g.n_tiles + tk.n;
-    const bool active = gemm::half_active(g, tile, cw);
-    gemm::mma_tile<true>(g, sm, cw, acc, it, active, &w);
+    const int n = kPaired ? 2 * tk.n + rank : tk.n;
+    const bool own = n < g.n_tiles;  // paired, odd n-tile count: the last pair has one tile
+    const int tile = tk.m * g.n_tiles + min(n, g.n_tiles - 1);
+    const bool active = own && gemm::half_active(g, tile, cw);
+    gemm::mma_tile<true, kPaired>(g, sm, cw, acc, it, active, &w);
+    if (!own) continue;
     const int row_limit = gemm::rows_total(g);
     if (tk.kind == kSharedUp || tk.kind == kRoutedUp) {
       gemm::store_tile<true>(g, tile, cw, acc, row_limit, active);
@@ -262,7 +317,7 @@ __device__ void consumer(const Params& p, const gemm::Smem& sm, const volatile i
       gemm::store_tile<false>(g, tile, cw, acc, row_limit, active);
       if (tk.kind == kRoutedDown) {
         warpgroup_bar_sync(bar);  // the warpgroup's 64 rows of y are written
-        push_rows(p, tk.m, tk.n, cw, row_limit);
+        push_rows(p, tk.m, n, cw, row_limit);
       }
     }
   }
@@ -288,25 +343,34 @@ __device__ void consumer(const Params& p, const gemm::Smem& sm, const volatile i
   }
 }
 
+template <bool kPaired>
 __global__ void __launch_bounds__(kThreads, 1)
     megakernel(const __grid_constant__ TMaps tm, const __grid_constant__ Params p) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const gemm::Smem sm = gemm::carve_smem(smem_raw);
   volatile int* stage_task = reinterpret_cast<volatile int*>(sm.empty + kStages);  // [kStages]
   volatile int* s_misc = stage_task + kStages;  // [0] role, [1] producer done, [2 + cw] last party
+  const Mailbox mb{s_misc + 4, reinterpret_cast<uint64_t*>(const_cast<int*>(s_misc + 4 + kMailbox))};
+  const int rank = kPaired ? static_cast<int>(cluster_ctarank()) : 0;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&sm.full[s], 1);
-      mbar_init(&sm.empty[s], 256);
+      mbar_init(&sm.empty[s], gemm::empty_arrivals(kPaired));
     }
+    for (int j = 0; j < kMailbox; ++j) mbar_init(&mb.full[j], 1);
     mbar_fence_init();
-    s_misc[0] = atomicAdd(p.counters + kRole, 1);
     s_misc[1] = 0;
+    if (rank == 0) {  // one role per cluster: both CTAs of a cluster dispatch, or neither
+      const int role = atomicAdd(p.counters + kRole, 1);
+      s_misc[0] = role;
+      if constexpr (kPaired) st_shared_cluster(s_misc, 1, role);
+    }
   }
-  __syncthreads();
+  // paired: also orders the peer's role store and barrier inits before any remote access
+  if constexpr (kPaired) cluster_sync(); else __syncthreads();
   // The first CTAs to start dispatch: they are running, so the GEMM tasks that wait on them cannot
   // starve them of SMs (also when the grid is larger than the GPU).
-  const int role = s_misc[0];
+  const int role = kPaired ? 2 * s_misc[0] + rank : s_misc[0];
   if (role < p.num_comm) dispatch_rows(p, role);
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
@@ -316,16 +380,20 @@ __global__ void __launch_bounds__(kThreads, 1)
         tma_prefetch_desc(&tm.a[i]);
         tma_prefetch_desc(&tm.b[i]);
       }
-      producer(p, tm, sm, stage_task);
+      producer<kPaired>(p, tm, sm, stage_task, mb);
       s_misc[1] = 1;
     }
   } else {
     setmaxnreg_inc<232>();
-    consumer(p, sm, stage_task, wg - 1, s_misc);
+    consumer<kPaired>(p, sm, stage_task, wg - 1, s_misc);
   }
+  // paired: no CTA leaves while its peer may still multicast into it or arrive on its barriers
+  if constexpr (kPaired) cluster_sync();
 }
 
-constexpr int kMegaSmemBytes = gemm::kSmemBytes + 64;  // + stage tags and flags
+// + stage tags [kStages], flags [4], mailbox [kMailbox] ints and mailbox barriers [kMailbox]
+constexpr int kMegaSmemBytes = gemm::kSmemBytes + 4 * (kStages + 4 + kMailbox) + 8 * kMailbox;
+static_assert((kStages + 4 + kMailbox) % 2 == 0, "the mailbox barriers need 8-byte alignment");
 
 inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
@@ -346,6 +414,59 @@ gemm::Params gemm_params(const int* seg_offsets, const int* seg_counts, int nseg
   return g;
 }
 
+// The configured kernel and how many of its CTAs (unpaired) or 2-CTA clusters (paired) fit at once.
+template <bool kPaired>
+const char* configure(const cudaLaunchConfig_t& cfg, int* units_at_once) {
+  static int cached = 0;
+  if (cached == 0) {
+    if (cudaFuncSetAttribute(megakernel<kPaired>, cudaFuncAttributeMaxDynamicSharedMemorySize, kMegaSmemBytes) !=
+        cudaSuccess)
+      return "mok megakernel: cannot raise the shared-memory limit";
+    cached = kPaired ? num_sms() / 2 : num_sms();
+    if (kPaired) {
+      cudaLaunchConfig_t probe = cfg;
+      probe.gridDim = dim3(2);
+      int n = 0;
+      if (cudaOccupancyMaxActiveClusters(&n, megakernel<kPaired>, &probe) == cudaSuccess && n > 0) cached = n;
+      cudaGetLastError();
+    }
+    if (getenv("MOK_VERBOSE") != nullptr)
+      fprintf(stderr, "mok megakernel: paired=%d, %d %s fit at once\n", kPaired, cached, kPaired ? "clusters" : "CTAs");
+  }
+  *units_at_once = cached;
+  return nullptr;
+}
+
+template <bool kPaired>
+const char* launch(const TMaps& tm, Params p, int num_comm, int num_compute, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 2;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = kMegaSmemBytes;
+  cfg.stream = stream;
+  if (kPaired) {
+    cfg.attrs = &cluster;
+    cfg.numAttrs = 1;
+  }
+  int at_once = 0;
+  if (const char* m = configure<kPaired>(cfg, &at_once)) return m;
+  const int per = kPaired ? 2 : 1;  // CTAs per unit
+  const int comm_units = ceil_div(num_comm, per);
+  const int compute_units = num_compute > 0 ? ceil_div(num_compute, per) : std::max(1, at_once - comm_units);
+  p.num_comm = per * comm_units;
+  cfg.gridDim = dim3(per * (comm_units + compute_units));
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, megakernel<kPaired>, tm, p);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return cudaGetErrorString(e);
+  }
+  return launch_status();
+}
+
 }  // namespace
 
 int64_t megakernel_counter_ints(int capacity, int T) {
@@ -354,16 +475,14 @@ int64_t megakernel_counter_ints(int capacity, int T) {
 
 const char* launch_megakernel(const MegaArgs& a, cudaStream_t stream) {
   // MOK_GEMM_SKIP_PAD=0 computes padding rows too (same bits), as for the staged GEMMs.
+  // MOK_GEMM_PAIRED=0 runs without 2-CTA clusters (same bits; read per launch).
   static const int skip_padding = [] {
     const char* v = getenv("MOK_GEMM_SKIP_PAD");
     return (v != nullptr && v[0] == '0') ? 0 : 1;
   }();
-  static bool configured = false;
-  if (!configured) {
-    if (cudaFuncSetAttribute(megakernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMegaSmemBytes) != cudaSuccess)
-      return "mok megakernel: cannot raise the shared-memory limit";
-    configured = true;
-  }
+  const char* paired_env = getenv("MOK_GEMM_PAIRED");
+  const bool paired = !(paired_env != nullptr && paired_env[0] == '0');
+  const uint32_t a_box = paired ? BM / 2 : BM;
   const bool shared = a.shared_fc1 != nullptr;
   if (a.T <= 0 || a.H <= 0 || a.I <= 0 || (shared && a.Is <= 0)) return "mok megakernel: empty shapes";
   if (a.H % 8 || a.I % 8 || (shared && a.Is % 8)) return "mok megakernel: H, I and Is must be multiples of 8";
@@ -378,18 +497,18 @@ const char* launch_megakernel(const MegaArgs& a, cudaStream_t stream) {
   memset(&p, 0, sizeof(p));
   const int T = a.T, H = a.H, I = a.I, Is = a.Is, cap = a.capacity;
   if (shared) {
-    if (const char* m = make_tmap_bf16_2d(&tm.a[kSharedUp], a.x, T, H, H, BM)) return m;
+    if (const char* m = make_tmap_bf16_2d(&tm.a[kSharedUp], a.x, T, H, H, a_box)) return m;
     if (const char* m = make_tmap_bf16_2d(&tm.b[kSharedUp], a.shared_fc1, 2 * (uint64_t)Is, H, H, BN / 2)) return m;
-    if (const char* m = make_tmap_bf16_2d(&tm.a[kSharedDown], a.shared_act, T, Is, Is, BM)) return m;
+    if (const char* m = make_tmap_bf16_2d(&tm.a[kSharedDown], a.shared_act, T, Is, Is, a_box)) return m;
     if (const char* m = make_tmap_bf16_2d(&tm.b[kSharedDown], a.shared_fc2, H, Is, Is, BN / 2)) return m;
     p.g[kSharedUp] = gemm_params(nullptr, nullptr, 1, skip_padding, T, H, Is, 2 * Is, true, a.shared_act,
                                    a.shared_h);
     p.g[kSharedDown] = gemm_params(nullptr, nullptr, 1, skip_padding, T, Is, H, H, false, a.shared_y);
     p.shared_mtiles = ceil_div(T, BM);
   }
-  if (const char* m = make_tmap_bf16_2d(&tm.a[kRoutedUp], a.x_routed, cap, H, H, BM)) return m;
+  if (const char* m = make_tmap_bf16_2d(&tm.a[kRoutedUp], a.x_routed, cap, H, H, a_box)) return m;
   if (const char* m = make_tmap_bf16_2d(&tm.b[kRoutedUp], a.fc1, (uint64_t)a.nle * 2 * I, H, H, BN / 2)) return m;
-  if (const char* m = make_tmap_bf16_2d(&tm.a[kRoutedDown], a.act, cap, I, I, BM)) return m;
+  if (const char* m = make_tmap_bf16_2d(&tm.a[kRoutedDown], a.act, cap, I, I, a_box)) return m;
   if (const char* m = make_tmap_bf16_2d(&tm.b[kRoutedDown], a.fc2, (uint64_t)a.nle * H, I, I, BN / 2)) return m;
   p.g[kRoutedUp] = gemm_params(a.expert_offsets, a.expert_counts, a.nle, skip_padding, cap, H, I, 2 * I, true, a.act,
                                  a.h);
@@ -416,9 +535,8 @@ const char* launch_megakernel(const MegaArgs& a, cudaStream_t stream) {
   p.x_bufs = a.x_bufs;
   p.comb_bufs = a.comb_bufs;
   p.flags = a.flags;
-  const int compute = a.num_compute > 0 ? a.num_compute : std::max(1, num_sms() - a.num_comm);
-  megakernel<<<a.num_comm + compute, kThreads, kMegaSmemBytes, stream>>>(tm, p);
-  return launch_status();
+  return paired ? launch<true>(tm, p, a.num_comm, a.num_compute, stream)
+                : launch<false>(tm, p, a.num_comm, a.num_compute, stream);
 }
 
 }  // namespace mok

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import torch
 
+from megatron_mok import MoKConfig
+
+from ._util import bits, eager_before_capture, kernel_path_module, make_case, poison_buffers, rel_err
+
 GRAD_NAMES = ("dx", "dprobs", "dfc1", "dfc2", "dshared_fc1", "dshared_fc2")
+
+
+def backward_case(shape, kind: str, seed: int, dev, world: int = 1):
+    """(cfg, ws, top, inputs, grad_out) of one layer; see ``make_case``."""
+    cfg, ws, top, w, gen = make_case(shape, kind, seed, dev, world=world)
+    g = torch.randn(shape[0], shape[1], generator=gen).bfloat16().to(dev)
+    return cfg, ws, top, w, g
 
 
 def grads_list(g) -> list:
@@ -18,10 +29,6 @@ def reference_grads(ws, sched_ref, x, probs, fc1, fc2, sfc1, sfc2, grad_out) -> 
     f = lambda t: None if t is None else t.float()  # noqa: E731
     ctx = reference.recompute_forward_context(ws, sched_ref, f(x), f(fc1), f(fc2), f(sfc1))
     return list(reference.backward(ws, sched_ref, ctx, f(grad_out), f(x), probs, f(fc1), f(fc2), f(sfc1), f(sfc2)))
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
 
 
 def check_close(got: list, ref: list, tol: float = 1e-2) -> dict:
@@ -38,16 +45,12 @@ def check_close(got: list, ref: list, tol: float = 1e-2) -> dict:
     return errs
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
-
-
 def assert_bitwise(a: list, b: list, what: str = "") -> None:
     for name, x, y in zip(GRAD_NAMES, a, b):
         assert (x is None) == (y is None), f"{what} {name}: None mismatch"
         if x is not None:
             assert x.dtype == y.dtype and x.shape == y.shape, f"{what} {name}: dtype/shape differ"
-            assert torch.equal(_bits(x), _bits(y)), f"{what} {name}: bits differ"
+            assert torch.equal(bits(x), bits(y)), f"{what} {name}: bits differ"
 
 
 def clone_all(lst: list) -> list:
@@ -68,14 +71,7 @@ def assert_empty_experts_zero(grads, sched) -> int:
 
 def poison_all(ws) -> None:
     """NaN-fill every float symmetric buffer of the kernel path (forward and backward ones)."""
-    from megatron_mok import kernel_path
-
-    c = kernel_path._COMMS.get(ws)
-    if c is None:
-        return
-    for (_name, _shape, dtype), (buf, _ptrs) in c.buffers.items():
-        if dtype in (torch.bfloat16, torch.float32):
-            buf.fill_(float("nan"))
+    poison_buffers(ws, (torch.bfloat16, torch.float32))
 
 
 def poison_ctx_tail(ctx, sched) -> None:
@@ -84,3 +80,102 @@ def poison_ctx_tail(ctx, sched) -> None:
     for t in (ctx.x_routed, ctx.act, ctx.y_routed, ctx.h):
         if t is not None:
             t[total:] = float("nan")
+
+
+def forward_backward(cfg, ws, top, w, g):
+    """(sched, ctx, grads as a list) of one schedule + forward + backward."""
+    kp = kernel_path_module()
+    sched = kp.build_schedule(cfg, ws, top)
+    _, ctx = kp.forward(cfg, ws, sched, *w)
+    return sched, ctx, grads_list(kp.backward(cfg, ws, sched, ctx, g, *w))
+
+
+def check_backward_repeats(cfg, ws, sched, w, g, ref, reps: int, poison, min_empty_experts=None):
+    """``reps`` forward + backward runs: each within tolerance of ``ref`` and bitwise equal to the first
+    (later runs see NaN-poisoned context tails, and ``poison(ws)`` runs after each); then a backward
+    without context gives the same bits. With ``min_empty_experts``, the first run has at least that many
+    experts without rows, with exactly zero weight gradients. Returns (first grads, last rel errs)."""
+    kp = kernel_path_module()
+    first, errs = None, None
+    for rep in range(reps):
+        _, ctx = kp.forward(cfg, ws, sched, *w)
+        if rep:
+            poison_ctx_tail(ctx, sched)
+        grads = kp.backward(cfg, ws, sched, ctx, g, *w)
+        torch.cuda.synchronize()
+        got = grads_list(grads)
+        errs = check_close(got, ref)
+        if first is None:
+            first = clone_all(got)
+            if min_empty_experts is not None:
+                assert assert_empty_experts_zero(grads, sched) >= min_empty_experts
+        else:
+            assert_bitwise(got, first, f"rep {rep} (after poisoning)")
+        poison(ws)
+    # no context: recomputed inside (staged dispatch + GEMMs), same bits
+    got = grads_list(kp.backward(cfg, ws, sched, None, g, *w))
+    torch.cuda.synchronize()
+    assert_bitwise(got, first, "ctx=None")
+    return first, errs
+
+
+def check_backward_bitwise_repeats(ws, top, w, g, comm_ctas: list, reps: int = 20) -> None:
+    """``reps`` schedule + forward + backward runs, cycling through configs and backward comm CTA counts:
+    all gradients bitwise equal to the first run's."""
+    kp = kernel_path_module()
+    cfgs = [MoKConfig(), MoKConfig(bwd_comm_sms=1, fwd_comm_sms=2, minibatch_rows=128, macrobatch_rows=1024),
+            MoKConfig(bwd_comm_sms=64, minibatch_rows=256)]
+    base = None
+    for rep in range(reps):
+        c = cfgs[rep % len(cfgs)]
+        sched = kp.build_schedule(c, ws, top)
+        _, ctx = kp.forward(c, ws, sched, *w)
+        got = grads_list(kp.backward(c, ws, sched, ctx, g, *w, comm_ctas=comm_ctas[rep % len(comm_ctas)]))
+        if base is None:
+            torch.cuda.synchronize()
+            base = clone_all(got)
+        else:
+            assert_bitwise(got, base, f"rep {rep}")
+    ws.check_errors(blocking=True)
+
+
+def check_main_grads_accumulate(cfg, ws, sched, ctx, w, g, plain, seed: int, dev):
+    """A backward with ``main_grads`` adds the fp32 weight gradients into random main grads (returning none)
+    and gives the dx / dprobs bits of the plain backward ``plain``. Returns (main grads, their values before)."""
+    kp = kernel_path_module()
+    gen = torch.Generator().manual_seed(seed)
+    before = [torch.randn(t.shape, generator=gen).to(dev) for t in w[2:]]
+    main = [b.clone() for b in before]
+    got = kp.backward(cfg, ws, sched, ctx, g, *w, main_grads=tuple(main))
+    torch.cuda.synchronize()
+    assert got.dfc1 is None and got.dfc2 is None and got.dshared_fc1 is None and got.dshared_fc2 is None
+    assert_bitwise(grads_list(got)[:2], plain[:2], "main_grads dx/dprobs")
+    for m, b, gw in zip(main, before, plain[2:]):
+        assert m.dtype == torch.float32 and torch.equal(m, b + gw.float()), "main_grads accumulation"
+    return main, before
+
+
+def check_backward_graph_equals_eager(cfg, ws, top, w, g, before_replay, before_capture=None) -> None:
+    """Eager schedule + forward + backward on a side stream, then the same captured in a CUDA graph: 3 replays,
+    each after ``before_replay(graph outputs)``, give the eager bits."""
+    kp = kernel_path_module()
+
+    def eager_run():
+        sched = kp.build_schedule(cfg, ws, top)
+        out, ctx = kp.forward(cfg, ws, sched, *w)
+        return [out.clone()] + clone_all(grads_list(kp.backward(cfg, ws, sched, ctx, g, *w)))
+
+    eager = eager_before_capture(eager_run, before_capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sched_g = kp.build_schedule(cfg, ws, top)
+        out_g, ctx_g = kp.forward(cfg, ws, sched_g, *w)
+        grads_g = kp.backward(cfg, ws, sched_g, ctx_g, g, *w)
+    got = [out_g] + grads_list(grads_g)
+    for _ in range(3):
+        before_replay(got)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got[0], eager[0]), "graph forward differs from eager"
+        assert_bitwise(got[1:], eager[1:], "graph replay")
+    ws.check_errors(blocking=True)

@@ -1,11 +1,16 @@
-"""Shared helpers of the GPU tests: inputs, routings, the fp32 reference, poisoning."""
+"""Shared helpers of the GPU tests: inputs, routings, the fp32 reference, poisoning, shared checks,
+two-rank suites."""
 
 from __future__ import annotations
 
 import os
 import socket
+import traceback
 
+import pytest
 import torch
+
+from megatron_mok import MoKConfig, create_workspace
 
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 for _k, _v in NO_MULTICAST_ENV.items():  # NVLink multicast must stay off, also in spawned workers
@@ -20,6 +25,43 @@ def extension_ready() -> tuple[bool, str]:
     if not ops.is_available():
         return False, f"megatron_mok._C not available ({ops.load_error()})"
     return True, ""
+
+
+def gpu_marks() -> list:
+    ok, why = extension_ready()
+    return [pytest.mark.gpu, pytest.mark.skipif(not ok, reason=why)]
+
+
+def two_gpu_marks() -> list:
+    ok, why = extension_ready()
+    return [
+        pytest.mark.gpu,
+        pytest.mark.multigpu,
+        pytest.mark.skipif(not ok, reason=why),
+        pytest.mark.skipif(ok and torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+    ]
+
+
+def kernel_path_module():
+    from megatron_mok import kernel_path
+
+    return kernel_path
+
+
+SHAPES = [  # T, H, I, Is, E, k
+    (256, 256, 128, 128, 8, 2),
+    (300, 384, 192, 0, 16, 4),
+    (517, 512, 320, 256, 32, 8),
+    (128, 1024, 512, 512, 4, 1),
+]
+
+EP2_CASES = [  # kind, (T, H, I, Is, E, k)
+    ("random", (256, 256, 128, 128, 8, 2)),
+    ("skewed", (300, 384, 192, 0, 16, 4)),
+    ("one_expert", (517, 512, 320, 256, 32, 8)),
+    ("half_empty", (1024, 512, 256, 256, 16, 4)),
+    ("random", (2048, 1024, 512, 512, 64, 8)),
+]
 
 
 def make_routing(kind: str, T: int, k: int, E: int, gen: torch.Generator) -> torch.Tensor:
@@ -52,6 +94,18 @@ def make_inputs(T, H, I, Is, nle, k, gen, device, dtype=torch.bfloat16):
     return to(x), to(probs), to(fc1), to(fc2), to(sfc1), to(sfc2)
 
 
+def make_case(shape, kind: str, seed: int, dev, cfg=None, world: int = 1):
+    """(cfg, ws, top, inputs, gen) of one layer of ``shape`` (T, H, I, Is, E, k), E // world local experts;
+    ``gen`` continues the seeded stream the inputs and routing were drawn from."""
+    T, H, I, Is, E, k = shape
+    gen = torch.Generator().manual_seed(seed)
+    cfg = MoKConfig() if cfg is None else cfg
+    ws = create_workspace(None, dev, T, H, k, E, cfg)
+    inputs = make_inputs(T, H, I, Is, E // world, k, gen, dev)
+    top = make_routing(kind, T, k, E, gen).to(dev)
+    return cfg, ws, top, inputs, gen
+
+
 def reference_out(ws, sched_ref, x, probs, fc1, fc2, sfc1, sfc2) -> torch.Tensor:
     """fp32 reference output on the same (bf16-valued) inputs."""
     from megatron_mok import reference
@@ -65,16 +119,23 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
 
 
-def poison_internal(ws) -> None:
-    """NaN-fill the kernel path's reusable symmetric data buffers (x copy, combine slots)."""
-    from megatron_mok import kernel_path
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 
-    c = kernel_path._COMMS.get(ws)
+
+def poison_buffers(ws, dtypes) -> None:
+    """NaN-fill the kernel path's symmetric buffers of the given dtypes."""
+    c = kernel_path_module()._COMMS.get(ws)
     if c is None:
         return
-    for (name, _shape, dtype), (buf, _ptrs) in c.buffers.items():
-        if dtype == torch.bfloat16:
+    for (_name, _shape, dtype), (buf, _ptrs) in c.buffers.items():
+        if dtype in dtypes:
             buf.fill_(float("nan"))
+
+
+def poison_internal(ws) -> None:
+    """NaN-fill the kernel path's reusable symmetric data buffers (x copy, combine slots)."""
+    poison_buffers(ws, (torch.bfloat16,))
 
 
 def schedules_equal(a, b) -> list[str]:
@@ -86,7 +147,75 @@ def schedules_equal(a, b) -> list[str]:
     return bad
 
 
+def check_forward_bitwise_repeats(shape, cfgs, seed: int, dev, world: int = 1, reps: int = 20) -> None:
+    """``reps`` forwards per config of ``cfgs`` (own workspace each), with varying CTA knobs: all bitwise
+    equal to the first output."""
+    kp = kernel_path_module()
+    T, H, I, Is, E, k = shape
+    gen = torch.Generator().manual_seed(seed)
+    inputs = make_inputs(T, H, I, Is, E // world, k, gen, dev)
+    top = make_routing("skewed", T, k, E, gen).to(dev)
+    base = None
+    for cfg in cfgs:
+        ws = create_workspace(None, dev, T, H, k, E, cfg)
+        sched = kp.build_schedule(cfg, ws, top)
+        for rep in range(reps):
+            knobs = dict(gemm_ctas=[0, 1, 7, 100][rep % 4], comm_ctas=[0, 1, 13][rep % 3])
+            out, _ = kp.forward(cfg, ws, sched, *inputs, **knobs)
+            base = out.clone() if base is None else base
+            assert torch.equal(out, base), f"bits differ at rep {rep} {knobs} {cfg}"
+        ws.check_errors(blocking=True)
+
+
+def eager_before_capture(fn, before_capture=None):
+    """``fn()`` on a side stream (the eager warm-up of a CUDA graph capture), waited for; then
+    ``before_capture()``. Returns what ``fn`` returned."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        result = fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    if before_capture is not None:
+        before_capture()
+    return result
+
+
+def check_forward_graph_equals_eager(cfg, ws, top, inputs, before_capture=None):
+    """Eager forward on a side stream (creates the buffers), then schedule + forward captured in a CUDA
+    graph: 3 replays on NaN-filled outputs equal the eager output. Returns (graph, its output)."""
+    kp = kernel_path_module()
+    eager = eager_before_capture(lambda: kp.forward(cfg, ws, kp.build_schedule(cfg, ws, top), *inputs)[0].clone(),
+                                 before_capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_g, _ = kp.forward(cfg, ws, kp.build_schedule(cfg, ws, top), *inputs)
+    for _ in range(3):
+        out_g.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out_g, eager), "graph replay differs from eager"
+    return graph, out_g
+
+
 # ---- two-rank suites ---------------------------------------------------------------------------
+
+
+def make_check(lines: list):
+    """``check(name, fn)``: run ``fn``, append 'PASS name [what fn returned]' or 'FAIL name: why' to
+    ``lines``, then synchronize the device and all ranks."""
+    import torch.distributed as dist
+
+    def check(name, fn):
+        try:
+            info = fn()
+            lines.append(f"PASS {name}" + (f" {info}" if info else ""))
+        except Exception as exc:  # noqa: BLE001 - reported per check
+            lines.append(f"FAIL {name}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        torch.cuda.synchronize()
+        dist.barrier()
+
+    return check
 
 
 def _free_port() -> int:

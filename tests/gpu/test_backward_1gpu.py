@@ -10,38 +10,19 @@ import torch
 from megatron_mok import MoKConfig, create_workspace
 from megatron_mok.schedule import build_schedule_reference
 
-from ._bwd import (assert_bitwise, assert_empty_experts_zero, check_close, clone_all, grads_list, poison_all,
-                   poison_ctx_tail, reference_grads, rel_err)
-from ._util import extension_ready, make_inputs, make_routing, schedules_equal
+from ._bwd import (assert_bitwise, backward_case, check_backward_bitwise_repeats, check_backward_graph_equals_eager,
+                   check_backward_repeats, check_close, check_main_grads_accumulate, forward_backward, grads_list,
+                   poison_all, reference_grads)
+from ._util import SHAPES, gpu_marks, make_routing, rel_err, schedules_equal
+from ._util import kernel_path_module as _kp
 
-_ok, _why = extension_ready()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _ok, reason=_why)]
+pytestmark = gpu_marks()
 
 DEV = "cuda:0"
 
-SHAPES = [  # T, H, I, Is, E, k
-    (256, 256, 128, 128, 8, 2),
-    (300, 384, 192, 0, 16, 4),
-    (517, 512, 320, 256, 32, 8),
-    (128, 1024, 512, 512, 4, 1),
-]
-
-
-def _kp():
-    from megatron_mok import kernel_path
-
-    return kernel_path
-
 
 def _case(shape, kind, seed):
-    T, H, I, Is, E, k = shape
-    gen = torch.Generator().manual_seed(seed)
-    cfg = MoKConfig()
-    ws = create_workspace(None, DEV, T, H, k, E, cfg)
-    x, probs, fc1, fc2, sfc1, sfc2 = make_inputs(T, H, I, Is, E, k, gen, DEV)
-    top = make_routing(kind, T, k, E, gen).to(DEV)
-    g = torch.randn(T, H, generator=gen).bfloat16().to(DEV)
-    return cfg, ws, top, (x, probs, fc1, fc2, sfc1, sfc2), g
+    return backward_case(shape, kind, seed, DEV)
 
 
 # ---- pieces ---------------------------------------------------------------------------------------
@@ -175,26 +156,8 @@ def test_backward_matches_reference(kind, shape):
     ref_sched = build_schedule_reference(ws, top)
     assert schedules_equal(sched, ref_sched) == []
     ref = reference_grads(ws, ref_sched, *w, g)
-    first = None
-    for rep in range(2):  # the second run sees NaN-poisoned buffers and context tails
-        _, ctx = kp.forward(cfg, ws, sched, *w)
-        if rep:
-            poison_ctx_tail(ctx, sched)
-        grads = kp.backward(cfg, ws, sched, ctx, g, *w)
-        torch.cuda.synchronize()
-        got = grads_list(grads)
-        check_close(got, ref)
-        if first is None:
-            first = clone_all(got)
-            if kind in ("one_expert", "half_empty"):
-                assert assert_empty_experts_zero(grads, sched) > 0
-        else:
-            assert_bitwise(got, first, "after poisoning")
-        poison_all(ws)
-    # no context: recomputed inside (staged dispatch + GEMMs), same bits
-    got = grads_list(kp.backward(cfg, ws, sched, None, g, *w))
-    torch.cuda.synchronize()
-    assert_bitwise(got, first, "ctx=None")
+    first, _ = check_backward_repeats(cfg, ws, sched, w, g, ref, reps=2, poison=poison_all,
+                                      min_empty_experts=1 if kind in ("one_expert", "half_empty") else None)
     # a forward that keeps no gate/up outputs: the backward recomputes them, same bits
     lean = cfg.replace(save_gate_up=False)
     _, ctx = kp.forward(lean, ws, sched, *w)
@@ -235,70 +198,29 @@ def test_forward_keeps_gate_up_preactivations(kind):
 
 def test_backward_bitwise_20_repeats_and_knobs():
     shape = (512, 512, 256, 256, 16, 4)
-    cfg, ws, top, w, g = _case(shape, "skewed", 77)
-    kp = _kp()
-    base = None
-    cfgs = [MoKConfig(), MoKConfig(bwd_comm_sms=1, fwd_comm_sms=2, minibatch_rows=128, macrobatch_rows=1024),
-            MoKConfig(bwd_comm_sms=64, minibatch_rows=256)]
-    for rep in range(20):
-        c = cfgs[rep % len(cfgs)]
-        sched = kp.build_schedule(c, ws, top)
-        _, ctx = kp.forward(c, ws, sched, *w)
-        got = grads_list(kp.backward(c, ws, sched, ctx, g, *w, comm_ctas=[0, 1, 7, 100][rep % 4]))
-        if base is None:
-            torch.cuda.synchronize()
-            base = clone_all(got)
-        else:
-            assert_bitwise(got, base, f"rep {rep}")
-    ws.check_errors(blocking=True)
+    _cfg, ws, top, w, g = _case(shape, "skewed", 77)
+    check_backward_bitwise_repeats(ws, top, w, g, comm_ctas=[0, 1, 7, 100])
 
 
 def test_backward_cuda_graph_matches_eager():
     shape = (384, 256, 128, 128, 8, 2)
     cfg, ws, top, w, g = _case(shape, "random", 5)
-    kp = _kp()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        sched = kp.build_schedule(cfg, ws, top)
-        out, ctx = kp.forward(cfg, ws, sched, *w)
-        eager = [out.clone()] + clone_all(grads_list(kp.backward(cfg, ws, sched, ctx, g, *w)))
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        sched_g = kp.build_schedule(cfg, ws, top)
-        out_g, ctx_g = kp.forward(cfg, ws, sched_g, *w)
-        grads_g = kp.backward(cfg, ws, sched_g, ctx_g, g, *w)
-    for _ in range(3):
+
+    def poison_buffers_and_outputs(outputs):
         poison_all(ws)
-        for t in [out_g] + grads_list(grads_g):
+        for t in outputs:
             if t is not None:
                 t.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        got = [out_g] + grads_list(grads_g)
-        assert torch.equal(got[0], eager[0]), "graph forward differs from eager"
-        assert_bitwise(got[1:], eager[1:], "graph replay")
-    ws.check_errors(blocking=True)
+
+    check_backward_graph_equals_eager(cfg, ws, top, w, g, before_replay=poison_buffers_and_outputs)
 
 
 def test_backward_main_grads_accumulate():
     shape = (256, 256, 128, 128, 8, 2)
     cfg, ws, top, w, g = _case(shape, "half_empty", 11)
     kp = _kp()
-    sched = kp.build_schedule(cfg, ws, top)
-    _, ctx = kp.forward(cfg, ws, sched, *w)
-    plain = grads_list(kp.backward(cfg, ws, sched, ctx, g, *w))
-    gen = torch.Generator().manual_seed(3)
-    shapes = [w[2].shape, w[3].shape, w[4].shape, w[5].shape]
-    before = [torch.randn(s, generator=gen).to(DEV) for s in shapes]
-    main = [b.clone() for b in before]
-    got = kp.backward(cfg, ws, sched, ctx, g, *w, main_grads=tuple(main))
-    assert got.dfc1 is None and got.dfc2 is None and got.dshared_fc1 is None and got.dshared_fc2 is None
-    assert_bitwise(grads_list(got)[:2], plain[:2], "main_grads dx/dprobs")
-    for m, b, gw in zip(main, before, plain[2:]):
-        assert m.dtype == torch.float32 and torch.equal(m, b + gw.float())
+    sched, ctx, plain = forward_backward(cfg, ws, top, w, g)
+    main, before = check_main_grads_accumulate(cfg, ws, sched, ctx, w, g, plain, seed=3, dev=DEV)
     # a partial tuple fuses only the given entries; a second call adds again
     got2 = kp.backward(cfg, ws, sched, ctx, g, *w, main_grads=(main[0], None, None, None))
     assert got2.dfc1 is None and torch.equal(got2.dfc2, plain[3])
@@ -314,11 +236,8 @@ def test_autograd_uses_the_cuda_backward():
     x, probs, fc1, fc2, sfc1, sfc2 = [t.detach().clone().requires_grad_(True) for t in w]
     out = mok_moe(x, top, probs, fc1, fc2, sfc1, sfc2, cfg=cfg)
     out.backward(g)
-    kp = _kp()
     ws2 = create_workspace(None, DEV, *[shape[0], shape[1], shape[5], shape[4]], cfg)
-    sched = kp.build_schedule(cfg, ws2, top)
-    _, ctx = kp.forward(cfg, ws2, sched, *w)
-    direct = grads_list(kp.backward(cfg, ws2, sched, ctx, g, *w))
+    _, _, direct = forward_backward(cfg, ws2, top, w, g)
     torch.cuda.synchronize()
     auto = [x.grad, probs.grad, fc1.grad, fc2.grad, sfc1.grad, sfc2.grad]
     assert_bitwise(auto, direct, "autograd vs kernel_path.backward")
@@ -327,9 +246,6 @@ def test_autograd_uses_the_cuda_backward():
 def test_reference_path_selectable():
     shape = (256, 256, 128, 128, 8, 2)
     cfg, ws, top, w, g = _case(shape, "random", 17)
-    kp = _kp()
-    sched = kp.build_schedule(cfg, ws, top)
-    _, ctx = kp.forward(cfg, ws, sched, *w)
-    cuda = grads_list(kp.backward(cfg, ws, sched, ctx, g, *w))
-    ref = grads_list(kp.backward(cfg, ws, sched, ctx, g, *w, path="reference"))
+    sched, ctx, cuda = forward_backward(cfg, ws, top, w, g)
+    ref = grads_list(_kp().backward(cfg, ws, sched, ctx, g, *w, path="reference"))
     check_close(cuda, ref)

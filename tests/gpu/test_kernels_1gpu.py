@@ -8,19 +8,13 @@ import torch
 from megatron_mok import MoKCapacityError, MoKConfig, MoKInputError, create_workspace
 from megatron_mok.schedule import build_schedule_reference
 
-from ._util import (extension_ready, make_inputs, make_routing, poison_internal, reference_out, rel_err,
-                    schedules_equal)
+from ._util import (SHAPES, bits, check_forward_bitwise_repeats, check_forward_graph_equals_eager, gpu_marks,
+                    make_case, make_routing, poison_internal, reference_out, rel_err, schedules_equal)
+from ._util import kernel_path_module as _kp
 
-_ok, _why = extension_ready()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _ok, reason=_why)]
+pytestmark = gpu_marks()
 
 DEV = "cuda:0"  # the workspace compares devices exactly
-
-
-def _kp():
-    from megatron_mok import kernel_path
-
-    return kernel_path
 
 
 # ---- grouped GEMM alone ---------------------------------------------------------------------------
@@ -28,7 +22,7 @@ def _kp():
 
 @pytest.mark.parametrize("swiglu", [False, True])
 @pytest.mark.parametrize("K,N", [(256, 256), (384, 192), (136, 40), (1024, 520)])
-def test_grouped_gemm_matches_matmul(swiglu, K, N):
+def test_grouped_gemm_matches_matmul(swiglu, K, N, monkeypatch):
     from megatron_mok import ops
 
     gen = torch.Generator().manual_seed(K * 7 + N)
@@ -47,14 +41,18 @@ def test_grouped_gemm_matches_matmul(swiglu, K, N):
     b = (torch.randn(nseg, b_rows, K, generator=gen) / K**0.5).bfloat16().to(DEV)
     out = torch.full((cap, N), float("nan"), dtype=torch.bfloat16, device=DEV)
     seg = torch.tensor(offs, dtype=torch.int32, device=DEV)
-    for ctas, seg_counts in ((0, cnt), (3, cnt), (0, None), (5, None)):
+    # MOK_GEMM_PAIRED: 2-CTA clusters sharing A (default) or one CTA per tile; odd n-tile counts here
+    runs = [("1", 0, cnt), ("1", 3, cnt), ("1", 0, None), ("1", 5, None), ("0", 0, cnt), ("0", 3, None)]
+    for paired, ctas, seg_counts in runs:
+        monkeypatch.setenv("MOK_GEMM_PAIRED", paired)
         out2 = torch.full_like(out, float("nan"))
         ops.grouped_gemm(a, b, seg, out2, swiglu, ctas, seg_counts)
-        if ctas == 0 and seg_counts is not None:
+        if (paired, ctas, seg_counts) == runs[0]:
             out.copy_(out2)
         else:
             # bit patterns (the untouched tail rows hold NaN, which torch.equal never matches)
-            assert torch.equal(out.view(torch.int16), out2.view(torch.int16)), "bits depend on the CTA count / padding skip"
+            assert torch.equal(out.view(torch.int16), out2.view(torch.int16)), \
+                f"bits depend on the CTA count / padding skip / pairing ({paired}, {ctas})"
     torch.cuda.synchronize()
     for e in range(nseg):
         rows = slice(offs[e], offs[e + 1])
@@ -103,24 +101,13 @@ def test_schedule_bit_exact(kind, T, k, E):
 
 # ---- forward -------------------------------------------------------------------------------------
 
-SHAPES = [  # T, H, I, Is, E, k
-    (256, 256, 128, 128, 8, 2),
-    (300, 384, 192, 0, 16, 4),
-    (517, 512, 320, 256, 32, 8),
-    (128, 1024, 512, 512, 4, 1),
-]
-
 
 @pytest.mark.parametrize("path", ["mega", "staged"])
 @pytest.mark.parametrize("kind", ["random", "skewed", "one_expert", "half_empty"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_forward_matches_reference(kind, shape, path):
-    T, H, I, Is, E, k = shape
-    gen = torch.Generator().manual_seed(sum(shape) + len(kind))
-    cfg = MoKConfig()
-    ws = create_workspace(None, DEV, T, H, k, E, cfg)
-    x, probs, fc1, fc2, sfc1, sfc2 = make_inputs(T, H, I, Is, E, k, gen, DEV)
-    top = make_routing(kind, T, k, E, gen).to(DEV)
+    T, H = shape[:2]
+    cfg, ws, top, (x, probs, fc1, fc2, sfc1, sfc2), _ = make_case(shape, kind, sum(shape) + len(kind), DEV)
     sched = _kp().build_schedule(cfg, ws, top)
     ref_sched = build_schedule_reference(ws, top)
     assert schedules_equal(sched, ref_sched) == []
@@ -139,10 +126,6 @@ def test_forward_matches_reference(kind, shape, path):
 # ---- megakernel vs the staged launches (bitwise) ---------------------------------------------------
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int16)
-
-
 def _forward_both(cfg, ws, sched, inputs, rows, **knobs):
     """Megakernel and staged forward on NaN-poisoned outputs and buffers; returns both (out, ctx)."""
     T, H = ws.num_tokens, ws.hidden
@@ -159,35 +142,46 @@ def _forward_both(cfg, ws, sched, inputs, rows, **knobs):
 def _assert_same_bits(res, rows):
     (o_s, c_s), (o_m, c_m) = res["staged"], res["mega"]
     assert torch.isfinite(o_m.float()).all(), "megakernel left output elements unwritten (NaN)"
-    assert torch.equal(_bits(o_m), _bits(o_s)), "megakernel output differs from the staged path"
+    assert torch.equal(bits(o_m), bits(o_s)), "megakernel output differs from the staged path"
     for name in ("x_routed", "act", "y_routed"):
         a, b = getattr(c_m, name)[:rows], getattr(c_s, name)[:rows]
-        assert torch.equal(_bits(a), _bits(b)), f"megakernel ctx.{name} differs from the staged path"
+        assert torch.equal(bits(a), bits(b)), f"megakernel ctx.{name} differs from the staged path"
     if c_s.shared_act is not None:
-        assert torch.equal(_bits(c_m.shared_act), _bits(c_s.shared_act)), "shared_act differs"
+        assert torch.equal(bits(c_m.shared_act), bits(c_s.shared_act)), "shared_act differs"
 
 
 @pytest.mark.parametrize("kind", ["random", "skewed", "one_expert", "half_empty"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_megakernel_bitwise_equals_staged(kind, shape):
-    T, H, I, Is, E, k = shape
-    gen = torch.Generator().manual_seed(3 * sum(shape) + len(kind))
-    cfg = MoKConfig()
-    ws = create_workspace(None, DEV, T, H, k, E, cfg)
-    inputs = make_inputs(T, H, I, Is, E, k, gen, DEV)
-    top = make_routing(kind, T, k, E, gen).to(DEV)
+    cfg, ws, top, inputs, _ = make_case(shape, kind, 3 * sum(shape) + len(kind), DEV)
     sched = _kp().build_schedule(cfg, ws, top)
     rows = int(sched.expert_offsets[-1])
     _assert_same_bits(_forward_both(cfg, ws, sched, inputs, rows), rows)
     ws.check_errors(blocking=True)
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gemm_pairing_changes_no_bit(shape, monkeypatch):
+    """Megakernel and staged forward without 2-CTA clusters (MOK_GEMM_PAIRED=0) give the bits of the
+    paired default (one shape has an odd gate/up n-tile count: a pair with one tile)."""
+    cfg, ws, top, inputs, _ = make_case(shape, "skewed", 5 * sum(shape), DEV)
+    sched = _kp().build_schedule(cfg, ws, top)
+    rows = int(sched.expert_offsets[-1])
+    paired = _forward_both(cfg, ws, sched, inputs, rows)
+    _assert_same_bits(paired, rows)
+    monkeypatch.setenv("MOK_GEMM_PAIRED", "0")
+    unpaired = _forward_both(cfg, ws, sched, inputs, rows)
+    for path in ("staged", "mega"):
+        assert torch.equal(bits(unpaired[path][0]), bits(paired[path][0])), f"{path}: pairing changed the output"
+        for name in ("act", "y_routed"):
+            a, b = getattr(unpaired[path][1], name)[:rows], getattr(paired[path][1], name)[:rows]
+            assert torch.equal(bits(a), bits(b)), f"{path}: pairing changed ctx.{name}"
+    ws.check_errors(blocking=True)
+
+
 def test_megakernel_bits_independent_of_comm_sms_and_minibatch():
-    T, H, I, Is, E, k = 1024, 512, 256, 256, 16, 4  # ~36 routed m-tiles: many minibatches at 128 rows
-    gen = torch.Generator().manual_seed(21)
-    inputs = make_inputs(T, H, I, Is, E, k, gen, DEV)
-    top = make_routing("skewed", T, k, E, gen).to(DEV)
-    ws = create_workspace(None, DEV, T, H, k, E, MoKConfig())  # the knobs below do not touch it
+    shape = T, H, I, Is, E, k = 1024, 512, 256, 256, 16, 4  # ~36 routed m-tiles: many minibatches at 128 rows
+    _, ws, top, inputs, _ = make_case(shape, "skewed", 21, DEV)  # the knobs below do not touch ws
     sched = _kp().build_schedule(MoKConfig(), ws, top)
     rows = int(sched.expert_offsets[-1])
     base = _forward_both(MoKConfig(), ws, sched, inputs, rows)
@@ -199,7 +193,7 @@ def test_megakernel_bits_independent_of_comm_sms_and_minibatch():
                 poison_internal(ws)
                 out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=DEV)
                 out, _ = _kp().forward(cfg, ws, sched, *inputs, out=out, path="mega", **knobs)
-                assert torch.equal(_bits(out), _bits(base["staged"][0])), (comm, mb, knobs)
+                assert torch.equal(bits(out), bits(base["staged"][0])), (comm, mb, knobs)
             ws.check_errors(blocking=True)
 
 
@@ -209,12 +203,8 @@ def test_launch_counts():
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    T, H, I, Is, E, k = 512, 256, 128, 128, 8, 2
-    gen = torch.Generator().manual_seed(8)
-    cfg = MoKConfig()
-    ws = create_workspace(None, DEV, T, H, k, E, cfg)
-    inputs = make_inputs(T, H, I, Is, E, k, gen, DEV)
-    top = make_routing("random", T, k, E, gen).to(DEV)
+    T, H = 512, 256
+    cfg, ws, top, inputs, _ = make_case((T, H, 128, 128, 8, 2), "random", 8, DEV)
     out = torch.empty((T, H), dtype=torch.bfloat16, device=DEV)
     sched = _kp().build_schedule(cfg, ws, top)
     _kp().forward(cfg, ws, sched, *inputs, out=out, path="mega")  # creates the buffers
@@ -242,53 +232,22 @@ def test_launch_counts():
 
 
 def test_forward_bitwise_repeat_and_knobs():
-    T, H, I, Is, E, k = 512, 512, 256, 256, 16, 4
-    gen = torch.Generator().manual_seed(11)
-    x, probs, fc1, fc2, sfc1, sfc2 = make_inputs(T, H, I, Is, E, k, gen, DEV)
-    top = make_routing("skewed", T, k, E, gen).to(DEV)
-    base = None
-    for cfg in (MoKConfig(), MoKConfig(fwd_comm_sms=2, minibatch_rows=128, macrobatch_rows=1024),
-                MoKConfig(fwd_comm_sms=64, minibatch_rows=1024, macrobatch_rows=4096)):
-        ws = create_workspace(None, DEV, T, H, k, E, cfg)
-        sched = _kp().build_schedule(cfg, ws, top)
-        for rep in range(20):
-            knobs = dict(gemm_ctas=[0, 1, 7, 100][rep % 4], comm_ctas=[0, 1, 13][rep % 3])
-            out, _ = _kp().forward(cfg, ws, sched, x, probs, fc1, fc2, sfc1, sfc2, **knobs)
-            if base is None:
-                base = out.clone()
-            assert torch.equal(out, base), (cfg, rep, knobs)
-        ws.check_errors(blocking=True)
+    cfgs = (MoKConfig(), MoKConfig(fwd_comm_sms=2, minibatch_rows=128, macrobatch_rows=1024),
+            MoKConfig(fwd_comm_sms=64, minibatch_rows=1024, macrobatch_rows=4096))
+    check_forward_bitwise_repeats((512, 512, 256, 256, 16, 4), cfgs, seed=11, dev=DEV)
 
 
 def test_cuda_graph_matches_eager():
-    T, H, I, Is, E, k = 384, 256, 128, 128, 8, 2
-    gen = torch.Generator().manual_seed(5)
-    cfg = MoKConfig()
-    ws = create_workspace(None, DEV, T, H, k, E, cfg)
-    x, probs, fc1, fc2, sfc1, sfc2 = make_inputs(T, H, I, Is, E, k, gen, DEV)
-    top = make_routing("random", T, k, E, gen).to(DEV)
+    shape = T, H, I, Is, E, k = 384, 256, 128, 128, 8, 2
+    cfg, ws, top, inputs, gen = make_case(shape, "random", 5, DEV)
+    x = inputs[0]
     kp = _kp()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm-up: creates the symmetric buffers
-        eager_out, _ = kp.forward(cfg, ws, kp.build_schedule(cfg, ws, top), x, probs, fc1, fc2, sfc1, sfc2)
-        eager_out = eager_out.clone()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        sched_g = kp.build_schedule(cfg, ws, top)
-        out_g, _ = kp.forward(cfg, ws, sched_g, x, probs, fc1, fc2, sfc1, sfc2)
-    for _ in range(3):
-        out_g.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out_g, eager_out)
+    g, out_g = check_forward_graph_equals_eager(cfg, ws, top, inputs)
     # New inputs in the captured buffers: replay equals eager on them (nothing was baked in).
     x.copy_(torch.randn(T, H, generator=gen).bfloat16())
     top.copy_(make_routing("skewed", T, k, E, gen))
     g.replay()
-    eager2, _ = kp.forward(cfg, ws, kp.build_schedule(cfg, ws, top), x, probs, fc1, fc2, sfc1, sfc2)
+    eager2, _ = kp.forward(cfg, ws, kp.build_schedule(cfg, ws, top), *inputs)
     torch.cuda.synchronize()
     assert torch.equal(out_g, eager2)
     ws.check_errors(blocking=True)
@@ -298,12 +257,9 @@ def test_cuda_graph_matches_eager():
 
 
 def test_capacity_overflow_raises():
-    T, H, I, E, k = 4096, 256, 128, 16, 2  # experts 0, 1 need 8192 rows; capacity 2560
-    gen = torch.Generator().manual_seed(2)
-    cfg = MoKConfig(capacity_factor=0.05)
-    ws = create_workspace(None, DEV, T, H, k, E, cfg)
-    x, probs, fc1, fc2, _, _ = make_inputs(T, H, I, 0, E, k, gen, DEV)
-    top = make_routing("one_expert", T, k, E, gen).to(DEV)
+    shape = (4096, 256, 128, 0, 16, 2)  # experts 0, 1 need 8192 rows; capacity 2560
+    cfg, ws, top, (x, probs, fc1, fc2, _, _), _ = make_case(shape, "one_expert", 2, DEV,
+                                                            cfg=MoKConfig(capacity_factor=0.05))
     sched = _kp().build_schedule(cfg, ws, top)
     _kp().forward(cfg, ws, sched, x, probs, fc1, fc2)  # must not fault or write out of bounds
     torch.cuda.synchronize()
@@ -332,12 +288,7 @@ def test_nonfinite_probs_raise(path, bad):
     """The megakernel path checks probs inside publish_barrier; the staged path with torch ops."""
     from megatron_mok import functional, kernel_path
 
-    T, H, I, E, k = 256, 128, 128, 8, 2
-    gen = torch.Generator().manual_seed(3)
-    cfg = MoKConfig()
-    ws = create_workspace(None, DEV, T, H, k, E, cfg)
-    x, probs, fc1, fc2, _, _ = make_inputs(T, H, I, 0, E, k, gen, DEV)
-    top = make_routing("random", T, k, E, gen).to(DEV)
+    cfg, ws, top, (x, probs, fc1, fc2, _, _), _ = make_case((256, 128, 128, 0, 8, 2), "random", 3, DEV)
     probs = probs.clone()
     probs[37, 1] = bad
     sched = functional.build_schedule(cfg, ws, top)
