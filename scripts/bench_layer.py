@@ -10,7 +10,8 @@ Backends (same inputs, same weights, bf16, one shared expert of size Is = I):
   mok       megatron_mok.build_schedule + megatron_mok.forward (the CUDA kernels of csrc/; the
             forward is the persistent megakernel unless MOK_FORWARD=staged)
   mok_staged  the same with the stage-2 forward launches (kernel_path.FORWARD_PATH = "staged")
-  mok_unpaired  mok with MOK_GEMM_PAIRED=0: the GEMMs without 2-CTA clusters sharing A (same bits)
+  mok_ab    mok with the kernel environment variable of --ab-env (e.g. MOK_GEMM_PAIRED=0: the GEMMs
+            without 2-CTA clusters); the kernels' A/B switches keep the bits, which is checked
   mok_recompute  mok with MoKConfig(save_gate_up=False): the forward keeps no gate/up outputs and
             the backward recomputes them (the activation-checkpointing memory mode)
   alltoall  Megatron-Core MoEAlltoAllTokenDispatcher (NCCL all-to-all) + torch._grouped_mm experts
@@ -66,8 +67,9 @@ from megatron_mok.shapes import MOE_SHAPES  # noqa: E402
 
 # model: (experts, hidden H, expert I, top-k); one shared expert with Is = I (docs: DESIGN.md)
 SHAPES = {name: (s.num_experts, s.hidden, s.ffn, s.topk) for name, s in MOE_SHAPES.items()}
-BACKENDS = ("mok", "mok_staged", "mok_recompute", "mok_unpaired", "alltoall", "symm_a2a")
-BWD_BACKENDS = ("mok", "mok_recompute", "mok_unpaired", "alltoall")
+BACKENDS = ("mok", "mok_staged", "mok_recompute", "mok_ab", "alltoall", "symm_a2a")
+BWD_BACKENDS = ("mok", "mok_recompute", "mok_ab", "alltoall")
+AB_ENV = ("MOK_GEMM_B_EVICT_LAST", "0")  # --ab-env
 
 
 _T0 = time.time()
@@ -168,14 +170,14 @@ def backend_mok_recompute(c, dev):
     return backend_mok(c, dev, save_gate_up=False, name="mok_recompute")
 
 
-def backend_mok_unpaired(c, dev):
-    step, ws = backend_mok(c, dev, name="mok_unpaired")
+def backend_mok_ab(c, dev):
+    step, ws = backend_mok(c, dev, name="mok_ab")
 
-    def unpaired_step():
-        with env_var("MOK_GEMM_PAIRED", "0"):
+    def ab_step():
+        with env_var(*AB_ENV):
             return step()
 
-    return unpaired_step, ws
+    return ab_step, ws
 
 
 def _megatron_groups():
@@ -311,7 +313,7 @@ def backend_symm_a2a(c, dev):
 
 
 BACKEND_FNS = {"mok": backend_mok, "mok_staged": backend_mok_staged, "mok_recompute": backend_mok_recompute,
-               "mok_unpaired": backend_mok_unpaired,
+               "mok_ab": backend_mok_ab,
                "alltoall": backend_alltoall,
                "symm_a2a": backend_symm_a2a}
 
@@ -484,6 +486,8 @@ def run_cases(args, backends, dev) -> list[dict]:
             for be in backends:
                 row = dict(shape=shape, tokens=T, backend=be, ep=ep, routing=args.routing, flops_per_rank=flops,
                            pass_=PASS)
+                if be == "mok_ab" or (be == "mok" and args.breakdown):
+                    row["ab_env"] = "=".join(AB_ENV)
                 if PASS == "bwd" and be not in BWD_BACKENDS:
                     row.update(status="error", error=f"--pass bwd supports {BWD_BACKENDS}, not {be}")
                     rows.append(row)
@@ -519,7 +523,7 @@ def run_cases(args, backends, dev) -> list[dict]:
                         e = torch.tensor([float((out.float() - ref_out).norm() / ref_out.norm())], device=dev)
                         dist.all_reduce(e, op=dist.ReduceOp.MAX)
                         row["rel_err_vs_mok"] = float(e)
-                    if be in ("mok_staged", "mok_recompute", "mok_unpaired") and ref_bits is not None:
+                    if be in ("mok_staged", "mok_recompute", "mok_ab") and ref_bits is not None:
                         same = torch.tensor([int(torch.equal(out.view(torch.int16), ref_bits.view(torch.int16)))],
                                             device=dev)
                         dist.all_reduce(same, op=dist.ReduceOp.MIN)
@@ -530,11 +534,11 @@ def run_cases(args, backends, dev) -> list[dict]:
                     row.update(ms=med, ms_p10=ts[len(ts) // 10], ms_p90=ts[(9 * len(ts)) // 10], iters=len(ts),
                                tflops=flops / (med * 1e-3) / 1e12, status="ok")
                     if be == "mok" and args.breakdown:
-                        # the GEMMs with and without 2-CTA clusters sharing A (same bits)
-                        for paired, key in (("1", "stages_ms"), ("0", "stages_ms_unpaired")):
-                            with env_var("MOK_GEMM_PAIRED", paired):
-                                row[key] = mok_breakdown(c, dev, args.iters)
-                            log(f"  mok stages, MOK_GEMM_PAIRED={paired} (ms, median of max over ranks): "
+                        row["stages_ms"] = mok_breakdown(c, dev, args.iters)
+                        with env_var(*AB_ENV):
+                            row["stages_ms_ab"] = mok_breakdown(c, dev, args.iters)
+                        for key, label in (("stages_ms", "default"), ("stages_ms_ab", "=".join(AB_ENV))):
+                            log(f"  mok stages, {label} (ms, median of max over ranks): "
                                 + ", ".join(f"{k}={v:.3f}" for k, v in row[key].items()))
                 except Exception as exc:  # noqa: BLE001
                     row.update(status="error", error=f"{type(exc).__name__}: {exc}")
@@ -619,7 +623,10 @@ def main() -> None:
     p.add_argument("--out", default=None, help="JSON path (default bench/results/<date>_<gpu>_ep<N>_<pass>.json)")
     p.add_argument("--tmp-dir", default="/tmp")
     p.add_argument("--child-timeout", type=float, default=600, help="seconds for the symm_a2a child processes")
-    p.add_argument("--breakdown", action="store_true", help="also time each mok stage separately")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time each mok stage separately, by default and with --ab-env (stages_ms_ab)")
+    p.add_argument("--ab-env", default="=".join(AB_ENV),
+                   help="NAME=VALUE of a kernel switch (same bits) for the mok_ab backend and --breakdown's second run")
     p.add_argument("--_child-out", dest="child_out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     global PASS
@@ -643,6 +650,11 @@ def main() -> None:
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("nccl", device_id=dev)
     ep = dist.get_world_size()
+    global AB_ENV
+    name, _, value = args.ab_env.partition("=")
+    if not name.startswith("MOK_") or not value:
+        p.error(f"--ab-env wants NAME=VALUE of a MOK_ kernel switch, got {args.ab_env!r}")
+    AB_ENV = (name, value)
 
     if args.child_out is not None:  # symm_a2a child
         rows = run_cases(args, ["symm_a2a"], dev)
@@ -684,7 +696,7 @@ def main() -> None:
             command=os.environ.get("MOK_BENCH_CMD", " ".join([sys.executable] + sys.argv)),
             argv=sys.argv, torch=torch.__version__, cuda=torch.version.cuda, gpu=gpu, ep=ep, pass_=args.pass_,
             date=datetime.date.today().isoformat(), matmul_8192_tflops=roof, seconds=time.time() - t0,
-            env={k: os.environ.get(k) for k in (*NO_MULTICAST_ENV, "MOK_FORWARD", "MOK_BACKWARD", "MOK_GEMM_SKIP_PAD", "MOK_GEMM_PAIRED")},
+            env={k: os.environ.get(k) for k in (*NO_MULTICAST_ENV, "MOK_FORWARD", "MOK_BACKWARD", "MOK_GEMM_SKIP_PAD", "MOK_GEMM_PAIRED", "MOK_GEMM_B_EVICT_LAST")},
             results=sorted(old.values(), key=lambda r: (r["shape"], r["tokens"], r["backend"])))
         if os.environ.get("MOK_BENCH_NOTE"):
             doc["note"] = os.environ["MOK_BENCH_NOTE"]

@@ -18,7 +18,7 @@ import json
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BACKEND_ORDER = ["mok", "mok_unpaired", "mok_staged", "mok_recompute", "alltoall", "symm_a2a"]
+BACKEND_ORDER = ["mok", "mok_ab", "mok_staged", "mok_recompute", "alltoall", "symm_a2a"]
 
 
 def load(paths):
@@ -81,7 +81,8 @@ def table(docs) -> str:
                 elif "rel_err_vs_mok" in r:
                     err = f"{r['rel_err_vs_mok']:.1e} vs mok"
                 kib = (lambda key: f"{r[key] / 1024:.1f}" if key in r else "")
-                lines.append(f"| {shape} | {T} | {routing} | {be} | {r['ms']:.3f} | {r['tflops']:.0f} | "
+                label = f"{be} ({r['ab_env']})" if be == "mok_ab" and "ab_env" in r else be
+                lines.append(f"| {shape} | {T} | {routing} | {label} | {r['ms']:.3f} | {r['tflops']:.0f} | "
                              f"{100 * r.get('roofline_frac', 0):.0f}% | {speed} | {err} |"
                              + (f" {kib('saved_bytes_per_token')} | {kib('bwd_peak_bytes_per_token')} |" if mem else ""))
         lines.append("")

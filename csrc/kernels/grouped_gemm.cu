@@ -129,7 +129,7 @@ const char* launch_grouped_gemm(bool swiglu, const void* A, int64_t a_rows, int 
   CUtensorMap tmA, tmB;
   if (const char* m = make_tmap_bf16_2d(&tmA, A, a_rows, K, K, paired ? gemm::BM / 2 : gemm::BM)) return m;
   if (const char* m = make_tmap_bf16_2d(&tmB, B, (uint64_t)nseg * b_rows_per_seg, K, K, gemm::BN / 2)) return m;
-  gemm::Params p;
+  gemm::Params p{};
   p.seg_offsets = seg_offsets;
   p.seg_counts = seg_counts;
   p.nseg = nseg;
@@ -141,6 +141,7 @@ const char* launch_grouped_gemm(bool swiglu, const void* A, int64_t a_rows, int 
   p.n_tiles = (N + (swiglu ? gemm::BN / 2 : gemm::BN) - 1) / (swiglu ? gemm::BN / 2 : gemm::BN);
   p.out = static_cast<__nv_bfloat16*>(out);
   p.pre_out = swiglu ? static_cast<__nv_bfloat16*>(pre_out) : nullptr;
+  p.b_evict_last = b_evict_last();
   const int m_tiles = static_cast<int>((a_rows + gemm::BM - 1) / gemm::BM);
   if (paired) {
     const int units = m_tiles * ((p.n_tiles + 1) / 2);

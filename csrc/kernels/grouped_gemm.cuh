@@ -42,6 +42,7 @@ struct Params {
   int n_tiles;             // ceil(N / (swiglu ? BN / 2 : BN))
   __nv_bfloat16* out;      // [a_rows, N] row-major
   __nv_bfloat16* pre_out;  // SwiGLU only, optional: [a_rows, 2N] pre-activations [gate | up] (kept for the backward)
+  int b_evict_last;        // load B with L2 evict_last priority (the m-tiles of a segment re-read it)
 };
 
 // The ring: stage s holds A at a(s) (BM x BK) and B at b(s) (BN x BK), 1024-byte aligned.
@@ -128,8 +129,14 @@ __device__ __forceinline__ void produce_tile(const Params& p, const CUtensorMap*
       tma_load_2d_multicast(sm.a(s) + half * (kABytes / 2), tmA, &sm.full[s], kb * BK, row0 + half * (BM / 2), 0x3);
     else
       tma_load_2d(sm.a(s), tmA, &sm.full[s], kb * BK, row0);
-    tma_load_2d(sm.b(s), tmB, &sm.full[s], kb * BK, b0);
-    tma_load_2d(sm.b(s) + kBBytes / 2, tmB, &sm.full[s], kb * BK, b1);
+    if (p.b_evict_last) {
+      const uint64_t policy = l2_policy_evict_last();
+      tma_load_2d_hint(sm.b(s), tmB, &sm.full[s], kb * BK, b0, policy);
+      tma_load_2d_hint(sm.b(s) + kBBytes / 2, tmB, &sm.full[s], kb * BK, b1, policy);
+    } else {
+      tma_load_2d(sm.b(s), tmB, &sm.full[s], kb * BK, b0);
+      tma_load_2d(sm.b(s) + kBBytes / 2, tmB, &sm.full[s], kb * BK, b1);
+    }
   }
 }
 

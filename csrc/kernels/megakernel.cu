@@ -411,6 +411,7 @@ gemm::Params gemm_params(const int* seg_offsets, const int* seg_counts, int nseg
   g.n_tiles = ceil_div(N, swiglu ? BN / 2 : BN);
   g.out = static_cast<__nv_bfloat16*>(out);
   g.pre_out = static_cast<__nv_bfloat16*>(pre_out);
+  g.b_evict_last = b_evict_last();
   return g;
 }
 
