@@ -41,18 +41,21 @@ def test_grouped_gemm_matches_matmul(swiglu, K, N, monkeypatch):
     b = (torch.randn(nseg, b_rows, K, generator=gen) / K**0.5).bfloat16().to(DEV)
     out = torch.full((cap, N), float("nan"), dtype=torch.bfloat16, device=DEV)
     seg = torch.tensor(offs, dtype=torch.int32, device=DEV)
-    # MOK_GEMM_PAIRED: 2-CTA clusters sharing A (default) or one CTA per tile; odd n-tile counts here
-    runs = [("1", 0, cnt), ("1", 3, cnt), ("1", 0, None), ("1", 5, None), ("0", 0, cnt), ("0", 3, None)]
-    for paired, ctas, seg_counts in runs:
+    # kernel switches that must not change a bit: MOK_GEMM_PAIRED (2-CTA clusters sharing A, or one
+    # CTA per tile; odd n-tile counts here) and MOK_GEMM_B_EVICT_LAST (L2 priority of B)
+    runs = [("1", "1", 0, cnt), ("1", "1", 3, cnt), ("1", "1", 0, None), ("1", "1", 5, None), ("0", "1", 0, cnt),
+            ("0", "1", 3, None), ("1", "0", 0, cnt)]
+    for paired, evict_last, ctas, seg_counts in runs:
         monkeypatch.setenv("MOK_GEMM_PAIRED", paired)
+        monkeypatch.setenv("MOK_GEMM_B_EVICT_LAST", evict_last)
         out2 = torch.full_like(out, float("nan"))
         ops.grouped_gemm(a, b, seg, out2, swiglu, ctas, seg_counts)
-        if (paired, ctas, seg_counts) == runs[0]:
+        if (paired, evict_last, ctas, seg_counts) == runs[0]:
             out.copy_(out2)
         else:
             # bit patterns (the untouched tail rows hold NaN, which torch.equal never matches)
             assert torch.equal(out.view(torch.int16), out2.view(torch.int16)), \
-                f"bits depend on the CTA count / padding skip / pairing ({paired}, {ctas})"
+                f"bits depend on the CTA count / padding skip / switches ({paired}, {evict_last}, {ctas})"
     torch.cuda.synchronize()
     for e in range(nseg):
         rows = slice(offs[e], offs[e + 1])
