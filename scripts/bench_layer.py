@@ -609,6 +609,7 @@ def result_path(gpu: str, ep: int, pas: str) -> str:
 
 
 def main() -> None:
+    global AB_ENV
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="deepseek-v3", help=f"one of {list(SHAPES)}, a comma list, or 'all'")
     p.add_argument("--tokens", default="2048,4096", help="tokens per GPU, comma list")
@@ -650,7 +651,6 @@ def main() -> None:
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("nccl", device_id=dev)
     ep = dist.get_world_size()
-    global AB_ENV
     name, _, value = args.ab_env.partition("=")
     if not name.startswith("MOK_") or not value:
         p.error(f"--ab-env wants NAME=VALUE of a MOK_ kernel switch, got {args.ab_env!r}")
