@@ -39,3 +39,11 @@ def test_table_regenerates_from_the_json_files():
     # the committed table is what the script writes from the committed files
     committed = (REPO / "bench" / "README_table.md").read_text()
     assert r.stdout.strip() in committed
+
+
+def test_benchmark_scripts_parse_their_arguments():
+    """The GPU-only scripts at least start on CPU (a syntax error would otherwise surface on the device)."""
+    for script in ("bench_layer.py", "plot_bench.py", "compare_backends.py"):
+        r = subprocess.run([sys.executable, str(REPO / "scripts" / script), "--help"], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, (script, r.stderr[-2000:])
