@@ -69,7 +69,7 @@ from megatron_mok.shapes import MOE_SHAPES  # noqa: E402
 SHAPES = {name: (s.num_experts, s.hidden, s.ffn, s.topk) for name, s in MOE_SHAPES.items()}
 BACKENDS = ("mok", "mok_staged", "mok_recompute", "mok_ab", "alltoall", "symm_a2a")
 BWD_BACKENDS = ("mok", "mok_recompute", "mok_ab", "alltoall")
-AB_ENV = ("MOK_GEMM_B_EVICT_LAST", "0")  # --ab-env
+AB_ENV = ("MOK_GEMM_PAIRED", "0")  # --ab-env
 
 
 _T0 = time.time()
@@ -696,7 +696,7 @@ def main() -> None:
             command=os.environ.get("MOK_BENCH_CMD", " ".join([sys.executable] + sys.argv)),
             argv=sys.argv, torch=torch.__version__, cuda=torch.version.cuda, gpu=gpu, ep=ep, pass_=args.pass_,
             date=datetime.date.today().isoformat(), matmul_8192_tflops=roof, seconds=time.time() - t0,
-            env={k: os.environ.get(k) for k in (*NO_MULTICAST_ENV, "MOK_FORWARD", "MOK_BACKWARD", "MOK_GEMM_SKIP_PAD", "MOK_GEMM_PAIRED", "MOK_GEMM_B_EVICT_LAST")},
+            env={k: os.environ.get(k) for k in (*NO_MULTICAST_ENV, "MOK_FORWARD", "MOK_BACKWARD", "MOK_GEMM_SKIP_PAD", "MOK_GEMM_PAIRED")},
             results=sorted(old.values(), key=lambda r: (r["shape"], r["tokens"], r["backend"])))
         if os.environ.get("MOK_BENCH_NOTE"):
             doc["note"] = os.environ["MOK_BENCH_NOTE"]

@@ -245,23 +245,6 @@ __device__ __forceinline__ void tma_load_2d(void* smem_dst, const CUtensorMap* m
       : "memory");
 }
 
-// L2 eviction priority of a TMA load: a 64-bit policy from createpolicy (0: no hint).
-__device__ __forceinline__ uint64_t l2_policy_evict_last() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
-
-// tma_load_2d with an L2 cache policy (evict_last: keep the lines for the other readers).
-__device__ __forceinline__ void tma_load_2d_hint(void* smem_dst, const CUtensorMap* map, uint64_t* bar, int c0,
-                                                 int c1, uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, "
-      "{%2, %3}], [%4], %5;" ::"r"(smem_u32(smem_dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(smem_u32(bar)), "l"(policy)
-      : "memory");
-}
-
 // Cluster multicast (on-chip, SM to SM inside a thread-block cluster; not NVLink multicast): the
 // box lands at the same shared-memory offset in every CTA of cta_mask and completes `bar` (same
 // offset) in each of them.
@@ -447,13 +430,6 @@ inline const char* make_tmap_bf16_2d(CUtensorMap* map, const void* base, uint64_
                       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? nullptr : "mok: cuTensorMapEncodeTiled failed";
-}
-
-// MOK_GEMM_B_EVICT_LAST=0 loads the GEMMs' B operand (the weights) without the L2 evict_last
-// priority (same bits; read per launch, for A/B timing).
-inline int b_evict_last() {
-  const char* v = getenv("MOK_GEMM_B_EVICT_LAST");
-  return (v != nullptr && v[0] == '0') ? 0 : 1;
 }
 
 inline int num_sms() {

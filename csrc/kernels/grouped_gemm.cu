@@ -8,11 +8,11 @@
 namespace mok {
 namespace {
 
-// Work unit u: m-tile u / n_units_m, n-tiles n0 = u % n_units_m (unpaired) or 2 (u % n_units_m) +
-// cluster rank (paired; the unpaired grid and the paired grid run the same tiles, so same bits).
-// Paired with an odd tile count, the second CTA of the last pair has no tile of its own: it still
-// loads its half of A (and a valid B box) so that the ring protocol stays symmetric, but computes
-// and stores nothing.
+// Work unit u: n-tile u % n_tiles of m-unit u / n_tiles; an m-unit is one m-tile (unpaired) or
+// m-tiles 2j and 2j + 1, one per CTA of the cluster (paired). Unpaired and paired grids run the same
+// tiles, so the same bits. Paired with an odd m-tile count, the second CTA of the last pair has no
+// tile of its own: it still loads a valid A/B block so that the ring protocol stays symmetric, but
+// computes and stores nothing.
 template <bool kSwiGLU, bool kPaired>
 __global__ void __launch_bounds__(gemm::kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
@@ -20,8 +20,8 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const gemm::Smem sm = gemm::carve_smem(smem_raw);
   const int total = gemm::rows_total(p);
-  const int n_units_m = kPaired ? (p.n_tiles + 1) / 2 : p.n_tiles;
-  const int num_units = (total + gemm::BM - 1) / gemm::BM * n_units_m;
+  const int m_tiles = (total + gemm::BM - 1) / gemm::BM;
+  const int num_units = (kPaired ? (m_tiles + 1) / 2 : m_tiles) * p.n_tiles;
   const int first = kPaired ? blockIdx.x / 2 : blockIdx.x;
   const int stride = kPaired ? gridDim.x / 2 : gridDim.x;
   const int rank = kPaired ? static_cast<int>(cluster_ctarank()) : 0;
@@ -36,27 +36,28 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
   if constexpr (kPaired) cluster_sync(); else __syncthreads();
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
-    setmaxnreg_dec<40>();
+    setmaxnreg_dec<56>();  // 40 spills the paired producer (pair bookkeeping)
     if (threadIdx.x == 0) {
       tma_prefetch_desc(&tmA);
       tma_prefetch_desc(&tmB);
       uint32_t it = 0;
       for (int u = first; u < num_units; u += stride) {
-        const int m = u / n_units_m;
-        const int n = kPaired ? min(2 * (u % n_units_m) + rank, p.n_tiles - 1) : u % n_units_m;
-        gemm::produce_tile<kSwiGLU, false, kPaired>(p, &tmA, &tmB, sm, m * p.n_tiles + n, it);
+        const int mu = u / p.n_tiles, n = u % p.n_tiles;
+        const int m = kPaired ? min(2 * mu + rank, m_tiles - 1) : mu;
+        gemm::produce_tile<kSwiGLU, false, kPaired>(p, &tmA, &tmB, sm, m * p.n_tiles + n, it, nullptr, nullptr, 0,
+                                                    2 * mu + 1 < m_tiles);
       }
     }
   } else {
-    setmaxnreg_inc<232>();
+    setmaxnreg_inc<224>();
     const int cw = wg - 1;
     float acc[128];
     uint32_t it = 0;
     for (int u = first; u < num_units; u += stride) {
-      const int m = u / n_units_m;
-      const int n = kPaired ? 2 * (u % n_units_m) + rank : u % n_units_m;
-      const bool own = n < p.n_tiles;
-      const int tile = m * p.n_tiles + min(n, p.n_tiles - 1);
+      const int mu = u / p.n_tiles, n = u % p.n_tiles;
+      const int m = kPaired ? 2 * mu + rank : mu;
+      const bool own = m < m_tiles;
+      const int tile = min(m, m_tiles - 1) * p.n_tiles + n;
       const bool active = own && gemm::half_active(p, tile, cw);
       gemm::mma_tile<false, kPaired>(p, sm, cw, acc, it, active);
       if (own) gemm::store_tile<kSwiGLU>(p, tile, cw, acc, total, active);
@@ -127,7 +128,7 @@ const char* launch_grouped_gemm(bool swiglu, const void* A, int64_t a_rows, int 
   if (a_rows > (int64_t)1 << 30) return "mok grouped_gemm: too many rows";
   if (nseg < 1) return "mok grouped_gemm: no segments";
   CUtensorMap tmA, tmB;
-  if (const char* m = make_tmap_bf16_2d(&tmA, A, a_rows, K, K, paired ? gemm::BM / 2 : gemm::BM)) return m;
+  if (const char* m = make_tmap_bf16_2d(&tmA, A, a_rows, K, K, gemm::BM)) return m;
   if (const char* m = make_tmap_bf16_2d(&tmB, B, (uint64_t)nseg * b_rows_per_seg, K, K, gemm::BN / 2)) return m;
   gemm::Params p{};
   p.seg_offsets = seg_offsets;
@@ -141,10 +142,9 @@ const char* launch_grouped_gemm(bool swiglu, const void* A, int64_t a_rows, int 
   p.n_tiles = (N + (swiglu ? gemm::BN / 2 : gemm::BN) - 1) / (swiglu ? gemm::BN / 2 : gemm::BN);
   p.out = static_cast<__nv_bfloat16*>(out);
   p.pre_out = swiglu ? static_cast<__nv_bfloat16*>(pre_out) : nullptr;
-  p.b_evict_last = b_evict_last();
   const int m_tiles = static_cast<int>((a_rows + gemm::BM - 1) / gemm::BM);
   if (paired) {
-    const int units = m_tiles * ((p.n_tiles + 1) / 2);
+    const int units = (m_tiles + 1) / 2 * p.n_tiles;
     return swiglu ? launch<true, true>(tmA, tmB, p, units, num_ctas, stream)
                   : launch<false, true>(tmA, tmB, p, units, num_ctas, stream);
   }

@@ -4,10 +4,13 @@
 // 128 rows each as the 256 B-rows, so gate column j and up column j sit in the same thread's
 // accumulators (d[i] and d[i + 64]) and the epilogue computes silu(gate) * up in registers.
 //
-// Paired mode (kPaired, clusters of 2 CTAs): the two CTAs of a cluster run n-tiles 2j and 2j + 1
-// of the same m-tile in lockstep and share A: each loads one 64-row half of A and multicasts it into
-// both CTAs' ring (cluster multicast, on-chip), so a CTA pulls 40 instead of 48 KB per stage from
-// L2. A stage is then refilled only after the consumers of both CTAs freed it.
+// Paired mode (kPaired, clusters of 2 CTAs): the two CTAs of a cluster run m-tiles 2j and 2j + 1
+// with the same n-tile in lockstep. When both m-tiles lie in one segment (expert) they need the same
+// B block: each CTA loads one half of it and multicasts it into both CTAs' rings (cluster multicast,
+// on-chip), so the expert's weights leave HBM once per two m-tiles. (Unpaired, the m-tiles of an
+// expert run at the same time on different SMs but not in step, and Nsight Compute showed each of
+// them re-reading the weights from HBM: the routed GEMMs were HBM-bound.) A stage is refilled only
+// after the consumers of both CTAs freed it.
 //
 // Tiles are owned by exactly one CTA and reduce over K in a fixed order, so the output bits do not
 // depend on the grid size, the pairing or on which CTA runs which tile.
@@ -42,7 +45,6 @@ struct Params {
   int n_tiles;             // ceil(N / (swiglu ? BN / 2 : BN))
   __nv_bfloat16* out;      // [a_rows, N] row-major
   __nv_bfloat16* pre_out;  // SwiGLU only, optional: [a_rows, 2N] pre-activations [gate | up] (kept for the backward)
-  int b_evict_last;        // load B with L2 evict_last priority (the m-tiles of a segment re-read it)
 };
 
 // The ring: stage s holds A at a(s) (BM x BK) and B at b(s) (BN x BK), 1024-byte aligned.
@@ -105,34 +107,34 @@ __host__ __device__ constexpr int empty_arrivals(bool paired) { return kConsumer
 
 // Producer: one thread streams the A and B K-blocks of `tile` through the ring. stage_tag (the
 // megakernel): `tag` is written to stage_tag[s] of the tile's first stage before it is armed, so
-// the consumers learn which task the stage belongs to. Paired: tmA has 64-row boxes and this CTA
-// loads (and multicasts to both CTAs) A half cluster_ctarank(); its peer runs a tile of the same
-// m-tile with the same K, so both rings advance in lockstep.
+// the consumers learn which task the stage belongs to. Paired: the peer runs a tile with the same
+// n-tile and K, so both rings advance in lockstep. With a complete pair whose two m-tiles lie in one
+// segment (each CTA checks the side facing its peer; the answers agree), this CTA loads B half
+// cluster_ctarank() and multicasts it to both.
 template <bool kSwiGLU, bool kWatch = false, bool kPaired = false>
 __device__ __forceinline__ void produce_tile(const Params& p, const CUtensorMap* tmA, const CUtensorMap* tmB,
                                              const Smem& sm, int tile, uint32_t& it, const Watchdog* w = nullptr,
-                                             volatile int* stage_tag = nullptr, int tag = 0) {
+                                             volatile int* stage_tag = nullptr, int tag = 0, bool pair_complete = false) {
   const int m = tile / p.n_tiles, n = tile % p.n_tiles;
   const int row0 = m * BM;
-  const int brow = find_segment(p, row0) * p.b_rows_per_seg;
+  const int seg = find_segment(p, row0);
+  const int brow = seg * p.b_rows_per_seg;
   const int b0 = kSwiGLU ? brow + n * (BN / 2) : brow + n * BN;
   const int b1 = kSwiGLU ? brow + p.N + n * (BN / 2) : b0 + BN / 2;
   const int nk = (p.K + BK - 1) / BK;
   const int half = kPaired ? static_cast<int>(cluster_ctarank()) : 0;
+  const bool share_b = kPaired && pair_complete &&
+                       (p.seg_offsets == nullptr ||
+                        (half == 0 ? row0 + BM < p.seg_offsets[seg + 1] : row0 - BM >= p.seg_offsets[seg]));
   for (int kb = 0; kb < nk; ++kb, ++it) {
     const int s = it % kStages;
     const uint32_t phase = (it / kStages) & 1;
     ring_wait<kWatch>(&sm.empty[s], phase ^ 1, w);
     if (stage_tag != nullptr && kb == 0) stage_tag[s] = tag;
     mbar_arrive_expect_tx(&sm.full[s], kStageBytes);
-    if constexpr (kPaired)
-      tma_load_2d_multicast(sm.a(s) + half * (kABytes / 2), tmA, &sm.full[s], kb * BK, row0 + half * (BM / 2), 0x3);
-    else
-      tma_load_2d(sm.a(s), tmA, &sm.full[s], kb * BK, row0);
-    if (p.b_evict_last) {
-      const uint64_t policy = l2_policy_evict_last();
-      tma_load_2d_hint(sm.b(s), tmB, &sm.full[s], kb * BK, b0, policy);
-      tma_load_2d_hint(sm.b(s) + kBBytes / 2, tmB, &sm.full[s], kb * BK, b1, policy);
+    tma_load_2d(sm.a(s), tmA, &sm.full[s], kb * BK, row0);
+    if (kPaired && share_b) {
+      tma_load_2d_multicast(sm.b(s) + half * (kBBytes / 2), tmB, &sm.full[s], kb * BK, half ? b1 : b0, 0x3);
     } else {
       tma_load_2d(sm.b(s), tmB, &sm.full[s], kb * BK, b0);
       tma_load_2d(sm.b(s) + kBBytes / 2, tmB, &sm.full[s], kb * BK, b1);

@@ -24,9 +24,10 @@
 // not depend on num_comm, the grid size or minibatch_rows (tested bitwise against the staged path).
 //
 // Paired (default; MOK_GEMM_PAIRED=0 turns it off, same bits): CTAs run in 2-CTA clusters. A task
-// is then an m-tile and a pair of n-tiles (2j, 2j + 1); the cluster's first CTA claims it and hands
-// it to the second through a shared-memory mailbox, each CTA computes one of the two tiles, and they
-// share A through cluster multicast (grouped_gemm.cuh). Dispatching is per cluster as well.
+// is then a pair of m-tiles (2j, 2j + 1) and an n-tile; the cluster's first CTA claims it and hands
+// it to the second through a shared-memory mailbox, each CTA computes one of the two tiles, and
+// when both lie in one expert they share its weights through cluster multicast (grouped_gemm.cuh).
+// Minibatches then count pairs (minibatch_rows / 256, at least 1). Dispatching is per cluster.
 //
 // Counters live in a per-workspace int32 buffer that the last CTA to finish zeroes again, so a
 // CUDA graph replays it. Every wait has a watchdog (%globaltimer): a stall sets
@@ -100,33 +101,39 @@ __device__ __forceinline__ Watchdog watchdog(const Params& p) {
 // Routed rows that exist this launch (device value; a multiple of BM).
 __device__ __forceinline__ int routed_rows(const Params& p) { return min(p.expert_offsets[p.nle], p.capacity); }
 
-// Tasks per m-tile of a GEMM: its n-tiles, or (paired) its pairs of n-tiles.
+// m-units of `m_tiles` m-tiles: the m-tiles themselves, or (paired) pairs of them.
 template <bool kPaired>
-__device__ __forceinline__ int units(const gemm::Params& g) {
-  return kPaired ? (g.n_tiles + 1) / 2 : g.n_tiles;
+__device__ __forceinline__ int m_units(int m_tiles) {
+  return kPaired ? (m_tiles + 1) / 2 : m_tiles;
 }
 
 template <bool kPaired>
 __device__ __forceinline__ int num_tasks(const Params& p, int mr) {
-  return p.shared_mtiles * (units<kPaired>(p.g[kSharedUp]) + units<kPaired>(p.g[kSharedDown])) +
-         mr * (units<kPaired>(p.g[kRoutedUp]) + units<kPaired>(p.g[kRoutedDown]));
+  return m_units<kPaired>(p.shared_mtiles) * (p.g[kSharedUp].n_tiles + p.g[kSharedDown].n_tiles) +
+         m_units<kPaired>(mr) * (p.g[kRoutedUp].n_tiles + p.g[kRoutedDown].n_tiles);
 }
 
-// Task t (< num_tasks) of the list in the header comment; n is the n-tile or (paired) the pair.
+__device__ __forceinline__ int m_tiles_of(const Params& p, int kind, int mr) {
+  return kind == kSharedUp || kind == kSharedDown ? p.shared_mtiles : mr;
+}
+
+// Task t (< num_tasks) of the list in the header comment; m is the m-tile or (paired) the pair.
 template <bool kPaired>
 __device__ __forceinline__ Task decode(const Params& p, int t, int mr) {
-  const int n1s = units<kPaired>(p.g[kSharedUp]), n2s = units<kPaired>(p.g[kSharedDown]);
-  const int s1 = p.shared_mtiles * n1s, s2 = p.shared_mtiles * n2s;
+  const int n1s = p.g[kSharedUp].n_tiles, n2s = p.g[kSharedDown].n_tiles;
+  const int su = m_units<kPaired>(p.shared_mtiles);
+  const int s1 = su * n1s, s2 = su * n2s;
   if (t < s1) return Task{kSharedUp, t / n1s, t % n1s};
   t -= s1;
   if (t < s2) return Task{kSharedDown, t / n2s, t % n2s};
   t -= s2;
-  const int n1 = units<kPaired>(p.g[kRoutedUp]), n2 = units<kPaired>(p.g[kRoutedDown]);
-  const int per_mb = p.mb_mtiles * (n1 + n2);
+  const int n1 = p.g[kRoutedUp].n_tiles, n2 = p.g[kRoutedDown].n_tiles;
+  const int mb = kPaired ? max(1, p.mb_mtiles / 2) : p.mb_mtiles;
+  const int per_mb = mb * (n1 + n2);
   const int b = t / per_mb;
   int r = t - b * per_mb;
-  const int m0 = b * p.mb_mtiles;
-  const int cnt = min(p.mb_mtiles, mr - m0);
+  const int m0 = b * mb;
+  const int cnt = min(mb, m_units<kPaired>(mr) - m0);
   if (r < cnt * n1) return Task{kRoutedUp, m0 + r / n1, r % n1};
   r -= cnt * n1;
   return Task{kRoutedDown, m0 + r / n2, r % n2};
@@ -224,22 +231,28 @@ __device__ void producer(const Params& p, const TMaps& tm, const gemm::Smem& sm,
     }
     if (t < 0) break;
     const Task tk = decode<kPaired>(p, t, mr);
-    // gate/up tiles arrive once per consumer warpgroup
-    if (tk.kind == kSharedDown) {
-      wait_counter(sup_done_ctr(p, tk.m), 2 * p.g[kSharedUp].n_tiles, w);
-    } else if (tk.kind == kRoutedUp) {
-      wait_counter(ready_ctr(p, tk.m), kUnitsPerTile, w);
-    } else if (tk.kind == kRoutedDown) {
-      wait_counter(up_done_ctr(p, tk.m), 2 * p.g[kRoutedUp].n_tiles, w);
+    const int mt = m_tiles_of(p, tk.kind, mr);
+    // both CTAs wait for both m-tiles of a pair (gate/up tiles arrive once per consumer warpgroup)
+    for (int m = kPaired ? 2 * tk.m : tk.m; m <= (kPaired ? min(2 * tk.m + 1, mt - 1) : tk.m); ++m) {
+      if (tk.kind == kSharedDown) {
+        wait_counter(sup_done_ctr(p, m), 2 * p.g[kSharedUp].n_tiles, w);
+      } else if (tk.kind == kRoutedUp) {
+        wait_counter(ready_ctr(p, m), kUnitsPerTile, w);
+      } else if (tk.kind == kRoutedDown) {
+        wait_counter(up_done_ctr(p, m), 2 * p.g[kRoutedUp].n_tiles, w);
+      }
     }
     const gemm::Params& g = p.g[tk.kind];
-    // paired, odd n-tile count: the second CTA of the last pair loads a valid B box but computes nothing
-    const int n = kPaired ? min(2 * tk.n + rank, g.n_tiles - 1) : tk.n;
-    const int tile = tk.m * g.n_tiles + n;
+    // paired, odd m-tile count: the second CTA of the last pair loads a valid block but computes nothing
+    const int m = kPaired ? min(2 * tk.m + rank, mt - 1) : tk.m;
+    const bool pair_complete = 2 * tk.m + 1 < mt;
+    const int tile = m * g.n_tiles + tk.n;
     if (tk.kind == kSharedUp || tk.kind == kRoutedUp)
-      gemm::produce_tile<true, true, kPaired>(g, &tm.a[tk.kind], &tm.b[tk.kind], sm, tile, it, &w, stage_task, t);
+      gemm::produce_tile<true, true, kPaired>(g, &tm.a[tk.kind], &tm.b[tk.kind], sm, tile, it, &w, stage_task, t,
+                                              pair_complete);
     else
-      gemm::produce_tile<false, true, kPaired>(g, &tm.a[tk.kind], &tm.b[tk.kind], sm, tile, it, &w, stage_task, t);
+      gemm::produce_tile<false, true, kPaired>(g, &tm.a[tk.kind], &tm.b[tk.kind], sm, tile, it, &w, stage_task, t,
+                                               pair_complete);
   }
   // Sentinel: the consumers stop at a stage tagged -1 (armed without bytes).
   const int s = it % kStages;
@@ -299,9 +312,10 @@ __device__ void consumer(const Params& p, const gemm::Smem& sm, const volatile i
     if (t < 0) break;
     const Task tk = decode<kPaired>(p, t, mr);
     const gemm::Params& g = p.g[tk.kind];
-    const int n = kPaired ? 2 * tk.n + rank : tk.n;
-    const bool own = n < g.n_tiles;  // paired, odd n-tile count: the last pair has one tile
-    const int tile = tk.m * g.n_tiles + min(n, g.n_tiles - 1);
+    const int mt = m_tiles_of(p, tk.kind, mr);
+    const int m = kPaired ? 2 * tk.m + rank : tk.m;
+    const bool own = m < mt;  // paired, odd m-tile count: the last pair has one tile
+    const int tile = min(m, mt - 1) * g.n_tiles + tk.n;
     const bool active = own && gemm::half_active(g, tile, cw);
     gemm::mma_tile<true, kPaired>(g, sm, cw, acc, it, active, &w);
     if (!own) continue;
@@ -312,12 +326,12 @@ __device__ void consumer(const Params& p, const gemm::Smem& sm, const volatile i
       fence_proxy_async_global();
       __threadfence();
       warpgroup_bar_sync(bar);
-      if (leader) red_release_gpu_add(tk.kind == kRoutedUp ? up_done_ctr(p, tk.m) : sup_done_ctr(p, tk.m), 1);
+      if (leader) red_release_gpu_add(tk.kind == kRoutedUp ? up_done_ctr(p, m) : sup_done_ctr(p, m), 1);
     } else {
       gemm::store_tile<false>(g, tile, cw, acc, row_limit, active);
       if (tk.kind == kRoutedDown) {
         warpgroup_bar_sync(bar);  // the warpgroup's 64 rows of y are written
-        push_rows(p, tk.m, n, cw, row_limit);
+        push_rows(p, m, tk.n, cw, row_limit);
       }
     }
   }
@@ -411,7 +425,6 @@ gemm::Params gemm_params(const int* seg_offsets, const int* seg_counts, int nseg
   g.n_tiles = ceil_div(N, swiglu ? BN / 2 : BN);
   g.out = static_cast<__nv_bfloat16*>(out);
   g.pre_out = static_cast<__nv_bfloat16*>(pre_out);
-  g.b_evict_last = b_evict_last();
   return g;
 }
 
@@ -483,7 +496,6 @@ const char* launch_megakernel(const MegaArgs& a, cudaStream_t stream) {
   }();
   const char* paired_env = getenv("MOK_GEMM_PAIRED");
   const bool paired = !(paired_env != nullptr && paired_env[0] == '0');
-  const uint32_t a_box = paired ? BM / 2 : BM;
   const bool shared = a.shared_fc1 != nullptr;
   if (a.T <= 0 || a.H <= 0 || a.I <= 0 || (shared && a.Is <= 0)) return "mok megakernel: empty shapes";
   if (a.H % 8 || a.I % 8 || (shared && a.Is % 8)) return "mok megakernel: H, I and Is must be multiples of 8";
@@ -498,18 +510,18 @@ const char* launch_megakernel(const MegaArgs& a, cudaStream_t stream) {
   memset(&p, 0, sizeof(p));
   const int T = a.T, H = a.H, I = a.I, Is = a.Is, cap = a.capacity;
   if (shared) {
-    if (const char* m = make_tmap_bf16_2d(&tm.a[kSharedUp], a.x, T, H, H, a_box)) return m;
+    if (const char* m = make_tmap_bf16_2d(&tm.a[kSharedUp], a.x, T, H, H, BM)) return m;
     if (const char* m = make_tmap_bf16_2d(&tm.b[kSharedUp], a.shared_fc1, 2 * (uint64_t)Is, H, H, BN / 2)) return m;
-    if (const char* m = make_tmap_bf16_2d(&tm.a[kSharedDown], a.shared_act, T, Is, Is, a_box)) return m;
+    if (const char* m = make_tmap_bf16_2d(&tm.a[kSharedDown], a.shared_act, T, Is, Is, BM)) return m;
     if (const char* m = make_tmap_bf16_2d(&tm.b[kSharedDown], a.shared_fc2, H, Is, Is, BN / 2)) return m;
     p.g[kSharedUp] = gemm_params(nullptr, nullptr, 1, skip_padding, T, H, Is, 2 * Is, true, a.shared_act,
                                    a.shared_h);
     p.g[kSharedDown] = gemm_params(nullptr, nullptr, 1, skip_padding, T, Is, H, H, false, a.shared_y);
     p.shared_mtiles = ceil_div(T, BM);
   }
-  if (const char* m = make_tmap_bf16_2d(&tm.a[kRoutedUp], a.x_routed, cap, H, H, a_box)) return m;
+  if (const char* m = make_tmap_bf16_2d(&tm.a[kRoutedUp], a.x_routed, cap, H, H, BM)) return m;
   if (const char* m = make_tmap_bf16_2d(&tm.b[kRoutedUp], a.fc1, (uint64_t)a.nle * 2 * I, H, H, BN / 2)) return m;
-  if (const char* m = make_tmap_bf16_2d(&tm.a[kRoutedDown], a.act, cap, I, I, a_box)) return m;
+  if (const char* m = make_tmap_bf16_2d(&tm.a[kRoutedDown], a.act, cap, I, I, BM)) return m;
   if (const char* m = make_tmap_bf16_2d(&tm.b[kRoutedDown], a.fc2, (uint64_t)a.nle * H, I, I, BN / 2)) return m;
   p.g[kRoutedUp] = gemm_params(a.expert_offsets, a.expert_counts, a.nle, skip_padding, cap, H, I, 2 * I, true, a.act,
                                  a.h);

@@ -41,21 +41,19 @@ def test_grouped_gemm_matches_matmul(swiglu, K, N, monkeypatch):
     b = (torch.randn(nseg, b_rows, K, generator=gen) / K**0.5).bfloat16().to(DEV)
     out = torch.full((cap, N), float("nan"), dtype=torch.bfloat16, device=DEV)
     seg = torch.tensor(offs, dtype=torch.int32, device=DEV)
-    # kernel switches that must not change a bit: MOK_GEMM_PAIRED (2-CTA clusters sharing A, or one
-    # CTA per tile; odd n-tile counts here) and MOK_GEMM_B_EVICT_LAST (L2 priority of B)
-    runs = [("1", "1", 0, cnt), ("1", "1", 3, cnt), ("1", "1", 0, None), ("1", "1", 5, None), ("0", "1", 0, cnt),
-            ("0", "1", 3, None), ("1", "0", 0, cnt)]
-    for paired, evict_last, ctas, seg_counts in runs:
+    # MOK_GEMM_PAIRED: 2-CTA clusters on m-tile pairs sharing B within a segment, or one CTA per tile
+    # (7 m-tiles here: pairs inside a segment, pairs across segments, and an incomplete last pair)
+    runs = [("1", 0, cnt), ("1", 3, cnt), ("1", 0, None), ("1", 5, None), ("0", 0, cnt), ("0", 3, None)]
+    for paired, ctas, seg_counts in runs:
         monkeypatch.setenv("MOK_GEMM_PAIRED", paired)
-        monkeypatch.setenv("MOK_GEMM_B_EVICT_LAST", evict_last)
         out2 = torch.full_like(out, float("nan"))
         ops.grouped_gemm(a, b, seg, out2, swiglu, ctas, seg_counts)
-        if (paired, evict_last, ctas, seg_counts) == runs[0]:
+        if (paired, ctas, seg_counts) == runs[0]:
             out.copy_(out2)
         else:
             # bit patterns (the untouched tail rows hold NaN, which torch.equal never matches)
             assert torch.equal(out.view(torch.int16), out2.view(torch.int16)), \
-                f"bits depend on the CTA count / padding skip / switches ({paired}, {evict_last}, {ctas})"
+                f"bits depend on the CTA count / padding skip / pairing ({paired}, {ctas})"
     torch.cuda.synchronize()
     for e in range(nseg):
         rows = slice(offs[e], offs[e + 1])
@@ -166,7 +164,7 @@ def test_megakernel_bitwise_equals_staged(kind, shape):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_gemm_pairing_changes_no_bit(shape, monkeypatch):
     """Megakernel and staged forward without 2-CTA clusters (MOK_GEMM_PAIRED=0) give the bits of the
-    paired default (one shape has an odd gate/up n-tile count: a pair with one tile)."""
+    paired default (skewed routing: pairs inside one expert, pairs across experts, odd m-tile counts)."""
     cfg, ws, top, inputs, _ = make_case(shape, "skewed", 5 * sum(shape), DEV)
     sched = _kp().build_schedule(cfg, ws, top)
     rows = int(sched.expert_offsets[-1])
