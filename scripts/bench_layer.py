@@ -10,6 +10,7 @@ Backends (same inputs, same weights, bf16, one shared expert of size Is = I):
   mok       megatron_mok.build_schedule + megatron_mok.forward (the CUDA kernels of csrc/; the
             forward is the persistent megakernel unless MOK_FORWARD=staged)
   mok_staged  the same with the stage-2 forward launches (kernel_path.FORWARD_PATH = "staged")
+  mok@F=V+F=V  mok with MoKConfig fields set, e.g. mok@fwd_comm_sms=8+minibatch_rows=2048 (knobs: same bits)
   mok_ab    mok with the kernel environment variable of --ab-env (e.g. MOK_GEMM_PAIRED=0: the GEMMs
             without 2-CTA clusters); the kernels' A/B switches keep the bits, which is checked
   mok_recompute  mok with MoKConfig(save_gate_up=False): the forward keeps no gate/up outputs and
@@ -127,12 +128,22 @@ def _grad_out(c, dev):
     return torch.randn(c["T"], c["H"], device=dev, generator=g).to(torch.bfloat16)
 
 
-def backend_mok(c, dev, path=None, save_gate_up=True, name="mok"):
+def config_overrides(backend: str) -> dict:
+    """'mok@fwd_comm_sms=8+minibatch_rows=2048' -> {'fwd_comm_sms': 8, 'minibatch_rows': 2048}."""
+    spec = backend.partition("@")[2]
+    out = {}
+    for item in filter(None, spec.split("+")):
+        key, _, value = item.partition("=")
+        out[key] = float(value) if "." in value else int(value)
+    return out
+
+
+def backend_mok(c, dev, path=None, save_gate_up=True, name="mok", overrides=None):
     from megatron_mok import MoKConfig, functional, get_workspace, kernel_path, ops
 
     if not ops.is_available():
         raise RuntimeError(f"megatron_mok._C not available: {ops.load_error()}")
-    cfg = MoKConfig(save_gate_up=save_gate_up)
+    cfg = MoKConfig(save_gate_up=save_gate_up, **(overrides or {}))
     ws = get_workspace(None, dev, c["T"], c["H"], c["k"], c["E"], cfg)
 
     if PASS == "bwd":
@@ -488,7 +499,7 @@ def run_cases(args, backends, dev) -> list[dict]:
                            pass_=PASS)
                 if be == "mok_ab" or (be == "mok" and args.breakdown):
                     row["ab_env"] = "=".join(AB_ENV)
-                if PASS == "bwd" and be not in BWD_BACKENDS:
+                if PASS == "bwd" and be not in BWD_BACKENDS and not be.startswith("mok@"):
                     row.update(status="error", error=f"--pass bwd supports {BWD_BACKENDS}, not {be}")
                     rows.append(row)
                     continue
@@ -498,7 +509,10 @@ def run_cases(args, backends, dev) -> list[dict]:
                         row["gate_rel_err_vs_fp32_reference"] = gate
                         if not gate <= 1e-2:
                             raise RuntimeError(f"correctness gate failed (rel err {gate})")
-                    step, _ = BACKEND_FNS[be](c, dev)
+                    if "@" in be:  # mok with MoKConfig fields set (knobs: same bits, checked)
+                        step, _ = backend_mok(c, dev, name=be, overrides=config_overrides(be))
+                    else:
+                        step, _ = BACKEND_FNS[be](c, dev)
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats(dev)
                     before = torch.cuda.memory_allocated(dev)
@@ -523,7 +537,7 @@ def run_cases(args, backends, dev) -> list[dict]:
                         e = torch.tensor([float((out.float() - ref_out).norm() / ref_out.norm())], device=dev)
                         dist.all_reduce(e, op=dist.ReduceOp.MAX)
                         row["rel_err_vs_mok"] = float(e)
-                    if be in ("mok_staged", "mok_recompute", "mok_ab") and ref_bits is not None:
+                    if (be in ("mok_staged", "mok_recompute", "mok_ab") or be.startswith("mok@")) and ref_bits is not None:
                         same = torch.tensor([int(torch.equal(out.view(torch.int16), ref_bits.view(torch.int16)))],
                                             device=dev)
                         dist.all_reduce(same, op=dist.ReduceOp.MIN)
@@ -634,8 +648,15 @@ def main() -> None:
     PASS = args.pass_
     backends = [b for b in args.backends.split(",") if b]
     for b in backends:
-        if b not in BACKENDS:
-            p.error(f"unknown backend {b!r}; choose from {BACKENDS}")
+        if b.startswith("mok@"):
+            from megatron_mok import MoKConfig
+
+            try:
+                MoKConfig(**config_overrides(b))
+            except (TypeError, ValueError) as exc:
+                p.error(f"backend {b!r}: {exc}")
+        elif b not in BACKENDS:
+            p.error(f"unknown backend {b!r}; choose from {BACKENDS} or mok@FIELD=VALUE+FIELD=VALUE")
 
     if args.child_out is not None:
         import torch.distributed._symmetric_memory as symm_mem
