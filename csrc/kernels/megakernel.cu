@@ -16,8 +16,10 @@
 //   up_done[m]   routed gate/up tile halves of m-tile m written (act rows)        (target 2 n1)
 //   sup_done[m]  shared gate/up tile halves of m-tile m written (shared_act rows) (target 2 n1s)
 // (each consumer warpgroup arrives for its 64 rows of a tile).
-// The down-GEMM epilogue pushes each finished 128 x 256 tile of y, row by row (512-byte
-// contiguous stores), into slot row_src_slot of the source rank's symmetric combine buffer.
+// The down-GEMM epilogue writes its 64 rows of y and queues them (a 4-slot shared-memory queue);
+// warps 1-3 of the producer warpgroup (idle otherwise) push them, row by row (512-byte contiguous
+// stores), into slot row_src_slot of the source rank's symmetric combine buffer, while the
+// consumers already run the next tile's MMAs.
 //
 // Bits: every output tile is still computed by exactly one CTA with the K order and epilogue of
 // the staged grouped GEMM, and the dispatch and combine copy values unchanged, so the results do
@@ -52,6 +54,9 @@ constexpr int kUnitsPerTile = BM / kUnitRows;   // 16
 constexpr int kCopyUnroll = 8;                  // 16-byte loads in flight per lane
 constexpr int kPushRows = BM / 2 / 4;           // y rows each consumer warp pushes per down tile
 constexpr int kMailbox = 8;                     // task mailbox slots (> kStages + 1: never overrun)
+constexpr int kPushSlots = 4;                   // queued y pushes per CTA
+constexpr int kPusherWarps = 3;                 // warps 1-3 of the producer warpgroup
+constexpr int kPushBatch = 4;                   // rows a pusher warp has in flight
 
 // Counter buffer: header, then ready[max_mtiles], up_done[max_mtiles], sup_done[shared_mtiles].
 enum Counter : int { kTicket = 0, kRole = 1, kExit = 2, kAbort = 3, kHeader = 4 };
@@ -261,42 +266,96 @@ __device__ void producer(const Params& p, const TMaps& tm, const gemm::Smem& sm,
   mbar_arrive(&sm.full[s]);
 }
 
-// Push the rows of consumer warpgroup cw of down tile (m, n): rows [m * BM + 64 cw, + 64) x
-// columns [n * BN, n * BN + BN) of y into the source ranks' combine slots. Each warp takes 16 rows,
-// one 512-byte row segment per warp instruction (loads first, then the peer stores).
-__device__ __forceinline__ void push_rows(const Params& p, int m, int n, int cw, int row_limit) {
-  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+// The push queue: consumer warpgroups claim slots in order (tail), wait until the pushers freed
+// them, write the request and arrive on full[slot]; the pusher warps take slots in the same order.
+// A request {m, n, cw, row_limit}: rows [m * BM + 64 cw, + 64) x columns [n * BN, + BN) of y;
+// m < 0: the warpgroup is done (sentinel).
+struct PushQueue {
+  volatile int4* req;  // [kPushSlots]
+  uint64_t* full;      // [kPushSlots], 1 arrival (the consumer warpgroup's leader)
+  uint64_t* empty;     // [kPushSlots], kPusherWarps arrivals
+  int* tail;
+};
+
+__device__ __forceinline__ void push_enqueue(const PushQueue& q, int4 r, const Watchdog& w) {
+  const uint32_t i = atomicAdd(q.tail, 1);
+  const int s = i % kPushSlots;
+  if (!mbar_wait_watch(&q.empty[s], ((i / kPushSlots) & 1) ^ 1, w)) return;  // stalled: the pushers give up too
+  q.req[s].x = r.x;
+  q.req[s].y = r.y;
+  q.req[s].z = r.z;
+  q.req[s].w = r.w;
+  mbar_arrive(&q.full[s]);
+}
+
+// Pusher warp `warp` (0..kPusherWarps-1) copies its share of a request's rows into the combine
+// slots: kPushBatch rows at a time, loads first, then the (peer) stores.
+__device__ __forceinline__ void push_request(const Params& p, int4 r, int warp, int lane) {
+  const int m = r.x, n = r.y, cw = r.z, row_limit = r.w;
   const int c0 = n * BN;
   const int n16 = min(BN, p.H - c0) / 8;
-  const int r0 = m * BM + cw * (BM / 2) + warp * kPushRows;
-  int my_src = -1, my_slot = 0;
-  if (lane < kPushRows && r0 + lane < row_limit) {
-    my_src = p.row_src_rank[r0 + lane];
-    my_slot = p.row_src_slot[r0 + lane];
-  }
+  const int row0 = m * BM + cw * (BM / 2);
   const __nv_bfloat16* y = p.g[kRoutedDown].out;
-  uint4 v[kPushRows];
+  for (int i0 = warp * kPushBatch; i0 < BM / 2; i0 += kPusherWarps * kPushBatch) {
+    int src[kPushBatch], slot[kPushBatch];
+    uint4 v[kPushBatch];
 #pragma unroll
-  for (int i = 0; i < kPushRows; ++i) {
-    const int src = __shfl_sync(0xffffffffu, my_src, i);
-    if (src >= 0 && lane < n16)
-      v[i] = __ldcg(reinterpret_cast<const uint4*>(y + static_cast<int64_t>(r0 + i) * p.H + c0) + lane);
+    for (int j = 0; j < kPushBatch; ++j) {
+      const int row = row0 + i0 + j;
+      src[j] = (i0 + j < BM / 2 && row < row_limit) ? p.row_src_rank[row] : -1;
+      slot[j] = src[j] >= 0 ? p.row_src_slot[row] : 0;
+      if (src[j] >= 0 && lane < n16)
+        v[j] = __ldcg(reinterpret_cast<const uint4*>(y + static_cast<int64_t>(row) * p.H + c0) + lane);
+    }
+#pragma unroll
+    for (int j = 0; j < kPushBatch; ++j)
+      if (src[j] >= 0 && lane < n16)
+        st16(static_cast<__nv_bfloat16*>(p.comb_bufs.p[src[j]]) + static_cast<int64_t>(slot[j]) * p.H + c0 + lane * 8,
+             v[j]);
   }
-#pragma unroll
-  for (int i = 0; i < kPushRows; ++i) {
-    const int src = __shfl_sync(0xffffffffu, my_src, i);
-    const int slot = __shfl_sync(0xffffffffu, my_slot, i);
-    if (src >= 0 && lane < n16)
-      st16(static_cast<__nv_bfloat16*>(p.comb_bufs.p[src]) + static_cast<int64_t>(slot) * p.H + c0 + lane * 8, v[i]);
+}
+
+// Named barrier over the pusher warps (ids 2 and 3 are the consumer warpgroups').
+__device__ __forceinline__ void pushers_bar_sync() {
+  asm volatile("bar.sync 4, %0;" ::"n"(kPusherWarps * 32) : "memory");
+}
+
+// The pusher warps: serve the queue until both consumer warpgroups are done, then leave as the
+// CTA's exit party: the last party of the grid zeroes the counters and opens the closing barrier.
+// A CTA's pushers leave after its consumers, which leave after its producer's last ticket claim, so
+// nothing touches the counters after the reset.
+__device__ void pushers(const Params& p, const PushQueue& q, volatile int* s_misc) {
+  const Watchdog w = watchdog(p);
+  const int warp = threadIdx.x / 32 - 1, lane = threadIdx.x % 32;
+  const int t = threadIdx.x - 32;  // 0 .. 32 kPusherWarps - 1
+  int done = 0;
+  for (uint32_t i = 0; done < 2; ++i) {
+    const int s = i % kPushSlots;
+    if (!mbar_wait_watch(&q.full[s], (i / kPushSlots) & 1, w)) break;
+    const int4 r = make_int4(q.req[s].x, q.req[s].y, q.req[s].z, q.req[s].w);
+    if (r.x < 0) ++done; else push_request(p, r, warp, lane);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&q.empty[s]);
+  }
+  __threadfence_system();  // the pushes into the peers' slots, before the closing barrier
+  pushers_bar_sync();
+  if (t == 0) s_misc[2] = atomicAdd(p.counters + kExit, 1) == static_cast<int>(gridDim.x) - 1;
+  pushers_bar_sync();
+  if (s_misc[2] == 0) return;
+  __threadfence();
+  for (int i = t; i < p.n_counters; i += 32 * kPusherWarps) p.counters[i] = 0;
+  if (t == 0) {
+    const int epoch = barrier_next_epoch(p.state, 0);
+    barrier_arrive(p.flags, p.rank, p.ep, epoch, 0, 1);
   }
 }
 
 // One consumer warpgroup. The two warpgroups of a CTA never wait for each other (separate named
-// barriers, separate counter arrivals, separate exit), so a watchdog exit of one cannot strand the
-// other; inside a warpgroup every barrier is reached by all 128 threads in the same order.
+// barriers, separate counter arrivals, separate sentinels), so a watchdog exit of one cannot strand
+// the other; inside a warpgroup every barrier is reached by all 128 threads in the same order.
 template <bool kPaired>
 __device__ void consumer(const Params& p, const gemm::Smem& sm, const volatile int* stage_task, int cw,
-                         volatile int* s_misc) {
+                         volatile int* s_misc, const PushQueue& q) {
   const Watchdog w = watchdog(p);
   const int bar = 2 + cw;
   const bool leader = threadIdx.x % 128 == 0;
@@ -330,31 +389,20 @@ __device__ void consumer(const Params& p, const gemm::Smem& sm, const volatile i
     } else {
       gemm::store_tile<false>(g, tile, cw, acc, row_limit, active);
       if (tk.kind == kRoutedDown) {
+        __threadfence_block();    // the pushers (other warps of this CTA) read these rows of y
         warpgroup_bar_sync(bar);  // the warpgroup's 64 rows of y are written
-        push_rows(p, m, tk.n, cw, row_limit);
+        if (leader) push_enqueue(q, make_int4(m, tk.n, cw, row_limit), w);
       }
     }
   }
 
-  // Exit (one party per warpgroup): the last party zeroes the counters and opens the closing
-  // barrier. The producer's last ticket claim precedes its sentinel; after a watchdog exit wait
-  // (bounded) until the producer is done too, so nothing touches the counters after the reset.
-  __threadfence_system();  // this thread's pushes into the peers' slots
+  // Done: wait (bounded) until the producer's last ticket claim is over, then tell the pushers.
   {
     const uint64_t t0 = globaltimer_ns();
     while (s_misc[1] == 0 && globaltimer_ns() - t0 < p.timeout_ns) {
     }
   }
-  warpgroup_bar_sync(bar);
-  if (leader) s_misc[2 + cw] = atomicAdd(p.counters + kExit, 1) == 2 * static_cast<int>(gridDim.x) - 1;
-  warpgroup_bar_sync(bar);
-  if (s_misc[2 + cw] == 0) return;
-  __threadfence();
-  for (int i = threadIdx.x % 128; i < p.n_counters; i += 128) p.counters[i] = 0;
-  if (leader) {
-    const int epoch = barrier_next_epoch(p.state, 0);
-    barrier_arrive(p.flags, p.rank, p.ep, epoch, 0, 1);
-  }
+  if (leader) push_enqueue(q, make_int4(-1, 0, 0, 0), w);
 }
 
 template <bool kPaired>
@@ -365,6 +413,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   volatile int* stage_task = reinterpret_cast<volatile int*>(sm.empty + kStages);  // [kStages]
   volatile int* s_misc = stage_task + kStages;  // [0] role, [1] producer done, [2 + cw] last party
   const Mailbox mb{s_misc + 4, reinterpret_cast<uint64_t*>(const_cast<int*>(s_misc + 4 + kMailbox))};
+  uint64_t* push_bars = mb.full + kMailbox;  // full [kPushSlots], empty [kPushSlots]
+  const PushQueue q{reinterpret_cast<volatile int4*>(push_bars + 2 * kPushSlots), push_bars, push_bars + kPushSlots,
+                    const_cast<int*>(s_misc + 3)};
   const int rank = kPaired ? static_cast<int>(cluster_ctarank()) : 0;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -372,8 +423,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(&sm.empty[s], gemm::empty_arrivals(kPaired));
     }
     for (int j = 0; j < kMailbox; ++j) mbar_init(&mb.full[j], 1);
+    for (int j = 0; j < kPushSlots; ++j) {
+      mbar_init(&q.full[j], 1);
+      mbar_init(&q.empty[j], kPusherWarps);
+    }
     mbar_fence_init();
     s_misc[1] = 0;
+    s_misc[3] = 0;  // push queue tail
     if (rank == 0) {  // one role per cluster: both CTAs of a cluster dispatch, or neither
       const int role = atomicAdd(p.counters + kRole, 1);
       s_misc[0] = role;
@@ -388,7 +444,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (role < p.num_comm) dispatch_rows(p, role);
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
-    setmaxnreg_dec<40>();
+    setmaxnreg_dec<56>();  // the pusher warps need more than 40
     if (threadIdx.x == 0) {
       for (int i = p.shared_mtiles > 0 ? 0 : kRoutedUp; i < 4; ++i) {  // shared maps only if used
         tma_prefetch_desc(&tm.a[i]);
@@ -396,17 +452,21 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       producer<kPaired>(p, tm, sm, stage_task, mb);
       s_misc[1] = 1;
+    } else if (threadIdx.x >= 32) {
+      pushers(p, q, s_misc);
     }
   } else {
-    setmaxnreg_inc<232>();
-    consumer<kPaired>(p, sm, stage_task, wg - 1, s_misc);
+    setmaxnreg_inc<224>();
+    consumer<kPaired>(p, sm, stage_task, wg - 1, s_misc, q);
   }
   // paired: no CTA leaves while its peer may still multicast into it or arrive on its barriers
   if constexpr (kPaired) cluster_sync();
 }
 
-// + stage tags [kStages], flags [4], mailbox [kMailbox] ints and mailbox barriers [kMailbox]
-constexpr int kMegaSmemBytes = gemm::kSmemBytes + 4 * (kStages + 4 + kMailbox) + 8 * kMailbox;
+// + stage tags [kStages], flags [4], mailbox [kMailbox] ints, mailbox barriers [kMailbox], push
+// queue barriers [2 kPushSlots] and requests [kPushSlots] (int4)
+constexpr int kMegaSmemBytes =
+    gemm::kSmemBytes + 4 * (kStages + 4 + kMailbox) + 8 * (kMailbox + 2 * kPushSlots) + 16 * kPushSlots;
 static_assert((kStages + 4 + kMailbox) % 2 == 0, "the mailbox barriers need 8-byte alignment");
 
 inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
