@@ -131,7 +131,10 @@ if stage profile && [[ "$NGPU" -ge 2 ]]; then
       --backends "$b" --nproc-per-node "$NGPU" --iters 14 --warmup 3 --timeout "${PROFILE_LIMIT:-240}" --python python3 \
       --out "$d" -- --profile --use-pytorch-profiler --profile-step-start 10 --profile-step-end 12 --profile-ranks 0 \
       --tensorboard-dir "$d/tb" > "$OUT/profile_$b.log" 2>&1
-    python3 scripts/trace_summary.py "$d/torch_profile/rank-0.json.gz" --steps 2 --json "$OUT/profile_$b.json" 2>&1 | head -30
+    # to a file first: piping into head would end the script (SIGPIPE) before it writes the JSON
+    python3 scripts/trace_summary.py "$d/torch_profile/rank-0.json.gz" --steps 2 --json "$OUT/profile_$b.json" \
+      > "$OUT/profile_$b.txt" 2>&1
+    head -30 "$OUT/profile_$b.txt"
   done
   RESULT[profile]="done ($(elapsed $t0))"
 fi
