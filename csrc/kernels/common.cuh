@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "launch.h"
@@ -205,26 +206,32 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
+// One poll of the mbarrier's phase. kClusterAcquire: acquire at cluster scope (the phase was
+// completed by another CTA's cluster-scope release: the megakernel's task mailbox).
+#define MOK_TRY_WAIT(SEM)                                                                              \
+  asm volatile("{\n.reg .pred P1;\nmbarrier.try_wait.parity" SEM                                       \
+               ".shared::cta.b64 P1, [%1], %2;\nselp.b32 %0, 1, 0, P1;\n}\n"                          \
+               : "=r"(ok)                                                                              \
+               : "r"(smem_u32(bar)), "r"(parity)                                                       \
+               : "memory")
+template <bool kClusterAcquire = false>
 __device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
   uint32_t ok;
-  asm volatile(
-      "{\n"
-      ".reg .pred P1;\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%1], %2;\n"
-      "selp.b32 %0, 1, 0, P1;\n"
-      "}\n"
-      : "=r"(ok)
-      : "r"(smem_u32(bar)), "r"(parity)
-      : "memory");
+  if constexpr (kClusterAcquire)
+    MOK_TRY_WAIT(".acquire.cluster");
+  else
+    MOK_TRY_WAIT("");
   return ok != 0;
 }
+#undef MOK_TRY_WAIT
 
 // mbar_wait with a watchdog; false: gave up (the phase did not complete).
+template <bool kClusterAcquire = false>
 __device__ __forceinline__ bool mbar_wait_watch(uint64_t* bar, uint32_t parity, const Watchdog& w) {
-  if (mbar_try_wait(bar, parity)) return true;
+  if (mbar_try_wait<kClusterAcquire>(bar, parity)) return true;
   const uint64_t t0 = globaltimer_ns();
   uint32_t spins = 0;
-  while (!mbar_try_wait(bar, parity))
+  while (!mbar_try_wait<kClusterAcquire>(bar, parity))
     if (watchdog_expired(w, t0, spins)) return false;
   return true;
 }
@@ -271,31 +278,24 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
 }
 
-// Arrive on the mbarrier at the same shared-memory offset in CTA `cta` of the cluster, default
-// (CTA-scope release) semantics: enough to free a ring stage, whose reads (wgmma) completed before.
+// Arrive on the mbarrier at the same shared-memory offset in CTA `cta` of the cluster. Default
+// semantics (CTA-scope release) suffice to free a ring stage, whose reads (wgmma) completed before;
+// a cluster-scope release costs a GPU-scope fence (MEMBAR.ALL.GPU) per arrival. kClusterRelease:
+// the receiver (acquire.cluster) also sees this thread's earlier shared::cluster stores (the
+// megakernel's task mailbox).
+#define MOK_ARRIVE_REMOTE(SEM)                                                               \
+  asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\nmbarrier.arrive" SEM \
+               ".shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_u32(bar)),                \
+               "r"(cta)                                                                      \
+               : "memory")
+template <bool kClusterRelease = false>
 __device__ __forceinline__ void mbar_arrive_remote(uint64_t* bar, uint32_t cta) {
-  asm volatile(
-      "{\n"
-      ".reg .b32 remote;\n"
-      "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
-      "}\n" ::"r"(smem_u32(bar)),
-      "r"(cta)
-      : "memory");
+  if constexpr (kClusterRelease)
+    MOK_ARRIVE_REMOTE(".release.cluster");
+  else
+    MOK_ARRIVE_REMOTE("");
 }
-
-// The same with a cluster-scope release: the receiver (acquire.cluster) sees this thread's earlier
-// shared::cluster stores (the megakernel's task mailbox).
-__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
-  asm volatile(
-      "{\n"
-      ".reg .b32 remote;\n"
-      "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
-      "}\n" ::"r"(smem_u32(bar)),
-      "r"(cta)
-      : "memory");
-}
+#undef MOK_ARRIVE_REMOTE
 
 // Store v at the same shared-memory offset as `p` in CTA `cta` of the cluster.
 __device__ __forceinline__ void st_shared_cluster(volatile int* p, uint32_t cta, int v) {
@@ -307,21 +307,6 @@ __device__ __forceinline__ void st_shared_cluster(volatile int* p, uint32_t cta,
       "}\n" ::"r"(smem_u32(const_cast<int*>(p))),
       "r"(cta), "r"(v)
       : "memory");
-}
-
-// mbar_try_wait that acquires at cluster scope (the phase was completed by another CTA's release).
-__device__ __forceinline__ bool mbar_try_wait_cluster(uint64_t* bar, uint32_t parity) {
-  uint32_t ok;
-  asm volatile(
-      "{\n"
-      ".reg .pred P1;\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [%1], %2;\n"
-      "selp.b32 %0, 1, 0, P1;\n"
-      "}\n"
-      : "=r"(ok)
-      : "r"(smem_u32(bar)), "r"(parity)
-      : "memory");
-  return ok != 0;
 }
 
 // ---- wgmma ----------------------------------------------------------------------------------
@@ -442,6 +427,56 @@ inline int num_sms() {
 inline const char* launch_status() {
   cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+}
+
+// A launch configuration of `threads`-thread CTAs, as 2-CTA clusters when paired (*cluster holds
+// the attribute); the caller sets gridDim.
+inline cudaLaunchConfig_t launch_config(int threads, int smem_bytes, cudaStream_t stream, bool paired,
+                                        cudaLaunchAttribute* cluster) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem_bytes;
+  cfg.stream = stream;
+  if (paired) {
+    cluster->id = cudaLaunchAttributeClusterDimension;
+    cluster->val.clusterDim.x = 2;
+    cluster->val.clusterDim.y = 1;
+    cluster->val.clusterDim.z = 1;
+    cfg.attrs = cluster;
+    cfg.numAttrs = 1;
+  }
+  return cfg;
+}
+
+// Raises kernel's shared-memory limit to cfg's and returns how many of its CTAs (unpaired) or
+// 2-CTA clusters (paired) fit on the GPU at once; 0: the limit could not be raised. MOK_VERBOSE
+// prints the figure.
+template <typename Kernel>
+int units_at_once(Kernel kernel, const cudaLaunchConfig_t& cfg, bool paired, const char* name) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, cfg.dynamicSmemBytes) != cudaSuccess)
+    return 0;
+  int units = paired ? num_sms() / 2 : num_sms();
+  if (paired) {
+    cudaLaunchConfig_t probe = cfg;
+    probe.gridDim = dim3(2);
+    int n = 0;
+    if (cudaOccupancyMaxActiveClusters(&n, kernel, &probe) == cudaSuccess && n > 0) units = n;
+    cudaGetLastError();
+  }
+  if (getenv("MOK_VERBOSE") != nullptr)
+    fprintf(stderr, "%s: paired=%d, %d %s fit at once\n", name, paired, units, paired ? "clusters" : "CTAs");
+  return units;
+}
+
+// cudaLaunchKernelEx, its error as a message (nullptr: launched).
+template <typename Kernel, typename... Args>
+const char* launch_ex(const cudaLaunchConfig_t& cfg, Kernel kernel, const Args&... args) {
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args...);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return cudaGetErrorString(e);
+  }
+  return launch_status();
 }
 
 }  // namespace mok

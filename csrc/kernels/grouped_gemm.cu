@@ -1,6 +1,5 @@
 // Persistent, warp-specialised grouped GEMM (see grouped_gemm.cuh): the routed experts' gate/up
 // GEMM with SwiGLU fused in the epilogue, the down GEMM, and the shared expert (one segment).
-#include <stdio.h>
 #include <stdlib.h>
 
 #include "grouped_gemm.cuh"
@@ -71,43 +70,14 @@ template <bool kSwiGLU, bool kPaired>
 const char* launch(const CUtensorMap& tmA, const CUtensorMap& tmB, const gemm::Params& p, int max_units, int num_ctas,
                    cudaStream_t stream) {
   auto kernel = grouped_gemm_kernel<kSwiGLU, kPaired>;
-  cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute cluster;
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = 2;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  cfg.blockDim = dim3(gemm::kThreads);
-  cfg.dynamicSmemBytes = gemm::kSmemBytes;
-  cfg.stream = stream;
-  if (kPaired) {
-    cfg.attrs = &cluster;
-    cfg.numAttrs = 1;
-  }
-  static int max_units_at_once = 0;  // CTAs (unpaired) or 2-CTA clusters (paired) that fit at once
-  if (max_units_at_once == 0) {
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, gemm::kSmemBytes) != cudaSuccess)
-      return "mok grouped_gemm: cannot raise the shared-memory limit";
-    max_units_at_once = kPaired ? num_sms() / 2 : num_sms();
-    if (kPaired) {
-      int n = 0;
-      cfg.gridDim = dim3(2);
-      if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) == cudaSuccess && n > 0) max_units_at_once = n;
-      cudaGetLastError();
-    }
-    if (getenv("MOK_VERBOSE") != nullptr)
-      fprintf(stderr, "mok grouped_gemm: paired=%d, %d %s fit at once\n", kPaired, max_units_at_once,
-              kPaired ? "clusters" : "CTAs");
-  }
-  int units = num_ctas > 0 ? (kPaired ? num_ctas / 2 : num_ctas) : max_units_at_once;
+  cudaLaunchConfig_t cfg = launch_config(gemm::kThreads, gemm::kSmemBytes, stream, kPaired, &cluster);
+  static const int at_once = units_at_once(kernel, cfg, kPaired, "mok grouped_gemm");
+  if (at_once == 0) return "mok grouped_gemm: cannot raise the shared-memory limit";
+  int units = num_ctas > 0 ? (kPaired ? num_ctas / 2 : num_ctas) : at_once;
   units = max(1, min(units, max_units));
   cfg.gridDim = dim3(kPaired ? 2 * units : units);
-  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, tmA, tmB, p);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    return cudaGetErrorString(e);
-  }
-  return launch_status();
+  return launch_ex(cfg, kernel, tmA, tmB, p);
 }
 
 }  // namespace

@@ -34,7 +34,6 @@
 // Counters live in a per-workspace int32 buffer that the last CTA to finish zeroes again, so a
 // CUDA graph replays it. Every wait has a watchdog (%globaltimer): a stall sets
 // errors[kErrKernelStall] = 1 + rank and an abort flag, and the kernel ends instead of hanging.
-#include <stdio.h>
 #include <stdlib.h>
 
 #include "barrier.cuh"
@@ -52,7 +51,6 @@ constexpr int kWarps = kThreads / 32;           // 12
 constexpr int kUnitRows = 8;                    // rows a dispatching warp copies before it signals
 constexpr int kUnitsPerTile = BM / kUnitRows;   // 16
 constexpr int kCopyUnroll = 8;                  // 16-byte loads in flight per lane
-constexpr int kPushRows = BM / 2 / 4;           // y rows each consumer warp pushes per down tile
 constexpr int kMailbox = 8;                     // task mailbox slots (> kStages + 1: never overrun)
 constexpr int kPushSlots = 4;                   // queued y pushes per CTA
 constexpr int kPusherWarps = 3;                 // warps 1-3 of the producer warpgroup
@@ -202,18 +200,11 @@ struct Mailbox {
 
 __device__ __forceinline__ void mailbox_send(const Mailbox& mb, uint32_t j, int t) {
   st_shared_cluster(mb.box + j % kMailbox, 1, t);
-  mbar_arrive_cluster(mb.full + j % kMailbox, 1);
+  mbar_arrive_remote<true>(mb.full + j % kMailbox, 1);
 }
 
 __device__ __forceinline__ int mailbox_receive(const Mailbox& mb, uint32_t j, const Watchdog& w) {
-  uint64_t* bar = mb.full + j % kMailbox;
-  const uint32_t parity = (j / kMailbox) & 1;
-  if (!mbar_try_wait_cluster(bar, parity)) {
-    const uint64_t t0 = globaltimer_ns();
-    uint32_t spins = 0;
-    while (!mbar_try_wait_cluster(bar, parity))
-      if (watchdog_expired(w, t0, spins)) return -1;
-  }
+  if (!mbar_wait_watch<true>(mb.full + j % kMailbox, (j / kMailbox) & 1, w)) return -1;
   return mb.box[j % kMailbox];
 }
 
@@ -488,57 +479,18 @@ gemm::Params gemm_params(const int* seg_offsets, const int* seg_counts, int nseg
   return g;
 }
 
-// The configured kernel and how many of its CTAs (unpaired) or 2-CTA clusters (paired) fit at once.
-template <bool kPaired>
-const char* configure(const cudaLaunchConfig_t& cfg, int* units_at_once) {
-  static int cached = 0;
-  if (cached == 0) {
-    if (cudaFuncSetAttribute(megakernel<kPaired>, cudaFuncAttributeMaxDynamicSharedMemorySize, kMegaSmemBytes) !=
-        cudaSuccess)
-      return "mok megakernel: cannot raise the shared-memory limit";
-    cached = kPaired ? num_sms() / 2 : num_sms();
-    if (kPaired) {
-      cudaLaunchConfig_t probe = cfg;
-      probe.gridDim = dim3(2);
-      int n = 0;
-      if (cudaOccupancyMaxActiveClusters(&n, megakernel<kPaired>, &probe) == cudaSuccess && n > 0) cached = n;
-      cudaGetLastError();
-    }
-    if (getenv("MOK_VERBOSE") != nullptr)
-      fprintf(stderr, "mok megakernel: paired=%d, %d %s fit at once\n", kPaired, cached, kPaired ? "clusters" : "CTAs");
-  }
-  *units_at_once = cached;
-  return nullptr;
-}
-
 template <bool kPaired>
 const char* launch(const TMaps& tm, Params p, int num_comm, int num_compute, cudaStream_t stream) {
-  cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute cluster;
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = 2;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = kMegaSmemBytes;
-  cfg.stream = stream;
-  if (kPaired) {
-    cfg.attrs = &cluster;
-    cfg.numAttrs = 1;
-  }
-  int at_once = 0;
-  if (const char* m = configure<kPaired>(cfg, &at_once)) return m;
+  cudaLaunchConfig_t cfg = launch_config(kThreads, kMegaSmemBytes, stream, kPaired, &cluster);
+  static const int at_once = units_at_once(megakernel<kPaired>, cfg, kPaired, "mok megakernel");
+  if (at_once == 0) return "mok megakernel: cannot raise the shared-memory limit";
   const int per = kPaired ? 2 : 1;  // CTAs per unit
   const int comm_units = ceil_div(num_comm, per);
   const int compute_units = num_compute > 0 ? ceil_div(num_compute, per) : std::max(1, at_once - comm_units);
   p.num_comm = per * comm_units;
   cfg.gridDim = dim3(per * (comm_units + compute_units));
-  const cudaError_t e = cudaLaunchKernelEx(&cfg, megakernel<kPaired>, tm, p);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    return cudaGetErrorString(e);
-  }
-  return launch_status();
+  return launch_ex(cfg, megakernel<kPaired>, tm, p);
 }
 
 }  // namespace
