@@ -85,14 +85,6 @@ const char* launch(const CUtensorMap& tmA, const CUtensorMap& tmB, const gemm::P
 const char* launch_grouped_gemm(bool swiglu, const void* A, int64_t a_rows, int K, const void* B,
                                 int b_rows_per_seg, const int* seg_offsets, const int* seg_counts, int nseg,
                                 void* out, void* pre_out, int N, int num_ctas, cudaStream_t stream) {
-  // MOK_GEMM_SKIP_PAD=0 computes padding rows too (same bits; for A/B timing and as a fallback).
-  // MOK_GEMM_PAIRED=0 runs one CTA per tile without clusters (same bits; for A/B timing).
-  static const int skip_padding = [] {
-    const char* v = getenv("MOK_GEMM_SKIP_PAD");
-    return (v != nullptr && v[0] == '0') ? 0 : 1;
-  }();
-  const char* paired_env = getenv("MOK_GEMM_PAIRED");  // read per call: tests switch it
-  const bool paired = !(paired_env != nullptr && paired_env[0] == '0');
   if (a_rows <= 0 || N <= 0) return nullptr;
   if (K <= 0 || K % 8 || N % 8) return "mok grouped_gemm: K and N must be positive multiples of 8";
   if (a_rows > (int64_t)1 << 30) return "mok grouped_gemm: too many rows";
@@ -100,20 +92,10 @@ const char* launch_grouped_gemm(bool swiglu, const void* A, int64_t a_rows, int 
   CUtensorMap tmA, tmB;
   if (const char* m = make_tmap_bf16_2d(&tmA, A, a_rows, K, K, gemm::BM)) return m;
   if (const char* m = make_tmap_bf16_2d(&tmB, B, (uint64_t)nseg * b_rows_per_seg, K, K, gemm::BN / 2)) return m;
-  gemm::Params p{};
-  p.seg_offsets = seg_offsets;
-  p.seg_counts = seg_counts;
-  p.nseg = nseg;
-  p.skip_padding = skip_padding;
-  p.a_rows = static_cast<int>(a_rows);
-  p.K = K;
-  p.N = N;
-  p.b_rows_per_seg = b_rows_per_seg;
-  p.n_tiles = (N + (swiglu ? gemm::BN / 2 : gemm::BN) - 1) / (swiglu ? gemm::BN / 2 : gemm::BN);
-  p.out = static_cast<__nv_bfloat16*>(out);
-  p.pre_out = swiglu ? static_cast<__nv_bfloat16*>(pre_out) : nullptr;
+  const gemm::Params p = gemm::make_params(seg_offsets, seg_counts, nseg, static_cast<int>(a_rows), K, N,
+                                           b_rows_per_seg, swiglu, out, pre_out);
   const int m_tiles = static_cast<int>((a_rows + gemm::BM - 1) / gemm::BM);
-  if (paired) {
+  if (gemm::pairing_enabled()) {
     const int units = (m_tiles + 1) / 2 * p.n_tiles;
     return swiglu ? launch<true, true>(tmA, tmB, p, units, num_ctas, stream)
                   : launch<false, true>(tmA, tmB, p, units, num_ctas, stream);

@@ -234,5 +234,42 @@ __device__ __forceinline__ void store_tile(const Params& p, int tile, int cw, co
   }
 }
 
+// ---- host side ---------------------------------------------------------------------------------
+
+// MOK_GEMM_SKIP_PAD=0 computes padding rows too; MOK_GEMM_PAIRED=0 runs one CTA per tile without
+// clusters. Both give the same bits (A/B timing, fallbacks); the pairing switch is read per launch
+// (the tests flip it).
+inline int skip_padding_enabled() {
+  static const int on = [] {
+    const char* v = getenv("MOK_GEMM_SKIP_PAD");
+    return (v != nullptr && v[0] == '0') ? 0 : 1;
+  }();
+  return on;
+}
+
+inline bool pairing_enabled() {
+  const char* v = getenv("MOK_GEMM_PAIRED");
+  return !(v != nullptr && v[0] == '0');
+}
+
+// The GEMM over `nseg` segments (seg_offsets null: one segment of a_rows rows), K-major B of
+// b_rows_per_seg rows per segment, N output columns; SwiGLU: B holds [gate; up] (2N rows).
+inline Params make_params(const int* seg_offsets, const int* seg_counts, int nseg, int a_rows, int K, int N,
+                          int b_rows_per_seg, bool swiglu, void* out, void* pre_out) {
+  Params g{};
+  g.seg_offsets = seg_offsets;
+  g.seg_counts = seg_counts;
+  g.nseg = nseg;
+  g.skip_padding = skip_padding_enabled();
+  g.a_rows = a_rows;
+  g.K = K;
+  g.N = N;
+  g.b_rows_per_seg = b_rows_per_seg;
+  g.n_tiles = (N + (swiglu ? BN / 2 : BN) - 1) / (swiglu ? BN / 2 : BN);
+  g.out = static_cast<__nv_bfloat16*>(out);
+  g.pre_out = swiglu ? static_cast<__nv_bfloat16*>(pre_out) : nullptr;
+  return g;
+}
+
 }  // namespace gemm
 }  // namespace mok

@@ -462,23 +462,6 @@ static_assert((kStages + 4 + kMailbox) % 2 == 0, "the mailbox barriers need 8-by
 
 inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
-gemm::Params gemm_params(const int* seg_offsets, const int* seg_counts, int nseg, int skip_padding, int a_rows, int K,
-                         int N, int b_rows_per_seg, bool swiglu, void* out, void* pre_out = nullptr) {
-  gemm::Params g{};
-  g.seg_offsets = seg_offsets;
-  g.seg_counts = seg_counts;
-  g.nseg = nseg;
-  g.skip_padding = skip_padding;
-  g.a_rows = a_rows;
-  g.K = K;
-  g.N = N;
-  g.b_rows_per_seg = b_rows_per_seg;
-  g.n_tiles = ceil_div(N, swiglu ? BN / 2 : BN);
-  g.out = static_cast<__nv_bfloat16*>(out);
-  g.pre_out = static_cast<__nv_bfloat16*>(pre_out);
-  return g;
-}
-
 template <bool kPaired>
 const char* launch(const TMaps& tm, Params p, int num_comm, int num_compute, cudaStream_t stream) {
   cudaLaunchAttribute cluster;
@@ -499,15 +482,8 @@ int64_t megakernel_counter_ints(int capacity, int T) {
   return kHeader + 2 * static_cast<int64_t>(capacity / BM) + ceil_div(T, BM);
 }
 
+// MOK_GEMM_SKIP_PAD / MOK_GEMM_PAIRED: as for the staged GEMMs (grouped_gemm.cuh), same bits.
 const char* launch_megakernel(const MegaArgs& a, cudaStream_t stream) {
-  // MOK_GEMM_SKIP_PAD=0 computes padding rows too (same bits), as for the staged GEMMs.
-  // MOK_GEMM_PAIRED=0 runs without 2-CTA clusters (same bits; read per launch).
-  static const int skip_padding = [] {
-    const char* v = getenv("MOK_GEMM_SKIP_PAD");
-    return (v != nullptr && v[0] == '0') ? 0 : 1;
-  }();
-  const char* paired_env = getenv("MOK_GEMM_PAIRED");
-  const bool paired = !(paired_env != nullptr && paired_env[0] == '0');
   const bool shared = a.shared_fc1 != nullptr;
   if (a.T <= 0 || a.H <= 0 || a.I <= 0 || (shared && a.Is <= 0)) return "mok megakernel: empty shapes";
   if (a.H % 8 || a.I % 8 || (shared && a.Is % 8)) return "mok megakernel: H, I and Is must be multiples of 8";
@@ -526,19 +502,17 @@ const char* launch_megakernel(const MegaArgs& a, cudaStream_t stream) {
     if (const char* m = make_tmap_bf16_2d(&tm.b[kSharedUp], a.shared_fc1, 2 * (uint64_t)Is, H, H, BN / 2)) return m;
     if (const char* m = make_tmap_bf16_2d(&tm.a[kSharedDown], a.shared_act, T, Is, Is, BM)) return m;
     if (const char* m = make_tmap_bf16_2d(&tm.b[kSharedDown], a.shared_fc2, H, Is, Is, BN / 2)) return m;
-    p.g[kSharedUp] = gemm_params(nullptr, nullptr, 1, skip_padding, T, H, Is, 2 * Is, true, a.shared_act,
-                                   a.shared_h);
-    p.g[kSharedDown] = gemm_params(nullptr, nullptr, 1, skip_padding, T, Is, H, H, false, a.shared_y);
+    p.g[kSharedUp] = gemm::make_params(nullptr, nullptr, 1, T, H, Is, 2 * Is, true, a.shared_act, a.shared_h);
+    p.g[kSharedDown] = gemm::make_params(nullptr, nullptr, 1, T, Is, H, H, false, a.shared_y, nullptr);
     p.shared_mtiles = ceil_div(T, BM);
   }
   if (const char* m = make_tmap_bf16_2d(&tm.a[kRoutedUp], a.x_routed, cap, H, H, BM)) return m;
   if (const char* m = make_tmap_bf16_2d(&tm.b[kRoutedUp], a.fc1, (uint64_t)a.nle * 2 * I, H, H, BN / 2)) return m;
   if (const char* m = make_tmap_bf16_2d(&tm.a[kRoutedDown], a.act, cap, I, I, BM)) return m;
   if (const char* m = make_tmap_bf16_2d(&tm.b[kRoutedDown], a.fc2, (uint64_t)a.nle * H, I, I, BN / 2)) return m;
-  p.g[kRoutedUp] = gemm_params(a.expert_offsets, a.expert_counts, a.nle, skip_padding, cap, H, I, 2 * I, true, a.act,
-                                 a.h);
-  p.g[kRoutedDown] = gemm_params(a.expert_offsets, a.expert_counts, a.nle, skip_padding, cap, I, H, H, false,
-                                 a.y_routed);
+  p.g[kRoutedUp] = gemm::make_params(a.expert_offsets, a.expert_counts, a.nle, cap, H, I, 2 * I, true, a.act, a.h);
+  p.g[kRoutedDown] = gemm::make_params(a.expert_offsets, a.expert_counts, a.nle, cap, I, H, H, false,
+                                       a.y_routed, nullptr);
   p.mb_mtiles = a.minibatch_rows / BM;
   p.num_comm = a.num_comm;
   p.max_mtiles = cap / BM;
@@ -560,7 +534,7 @@ const char* launch_megakernel(const MegaArgs& a, cudaStream_t stream) {
   p.x_bufs = a.x_bufs;
   p.comb_bufs = a.comb_bufs;
   p.flags = a.flags;
-  return paired ? launch<true>(tm, p, a.num_comm, a.num_compute, stream)
+  return gemm::pairing_enabled() ? launch<true>(tm, p, a.num_comm, a.num_compute, stream)
                 : launch<false>(tm, p, a.num_comm, a.num_compute, stream);
 }
 
