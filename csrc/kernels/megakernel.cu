@@ -3,7 +3,7 @@
 // barrier this kernel opens at its end).
 //
 // Every CTA is a GEMM CTA of grouped_gemm.cuh (1 producer thread + 2 consumer warpgroups, 4-stage
-// TMA ring). The first `num_comm` CTAs to start first pull-dispatch routed rows with all 384
+// TMA ring) plus 3 pusher warps (below). The first `num_comm` CTAs to start first pull-dispatch routed rows with all 384
 // threads, then join the GEMM work. GEMM work is a fixed linear task list, identical on every rank:
 //
 //   [shared gate/up tiles][shared down tiles]
