@@ -312,6 +312,19 @@ void megakernel(const Tensor& x, const Tensor& fc1, const Tensor& fc2, const std
   check(mok::launch_megakernel(a, current_stream()));
 }
 
+// Profiling switch: while enabled, every megakernel launch stamps its tasks into `records`
+// (int64 [n, 8], see set_megakernel_timeline); the tensor must outlive the launches.
+void megakernel_timeline(Tensor& records, bool enable) {
+  if (!enable) {
+    mok::set_megakernel_timeline(nullptr, 0);
+    return;
+  }
+  check_cuda(records, "timeline records", at::kLong);
+  TORCH_CHECK(records.dim() == 2 && records.size(1) == 8 && records.size(0) > 1024,
+              "megatron_mok: timeline records must be int64 [n > 1024, 8] (the last 1024 rows: dispatching CTAs)");
+  mok::set_megakernel_timeline(reinterpret_cast<long long*>(records.data_ptr<int64_t>()), records.size(0));
+}
+
 // ---- backward -----------------------------------------------------------------------------------
 
 // Optional row map of the tight layout: int32 [rows] on the device, or nullptr.
@@ -497,6 +510,7 @@ TORCH_LIBRARY(megatron_mok, m) {
       "Tensor(i!)? h, Tensor(c!) y_routed, Tensor(d!) shared_act, Tensor(j!)? shared_h, Tensor(e!) shared_y, "
       "Tensor(f!) counters, Tensor(g!) state, Tensor(h!) errors, int[] peer_x, int[] peer_comb, int[] peer_flags, int rank, int topk, int num_comm, "
       "int num_compute, int minibatch_rows, float timeout_s) -> ()");
+  m.def("megakernel_timeline(Tensor(a!) records, bool enable) -> ()");
   m.def(
       "bwd_publish(Tensor grad_out, Tensor(a!) g_dst, Tensor probs, Tensor(b!) p_dst, Tensor(c!) state, "
       "Tensor(d!) errors, int[] peer_flags, int rank, float timeout_s) -> ()");
@@ -525,6 +539,7 @@ TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("moe_epilogue", &moe_epilogue);
   m.impl("moe_epilogue_wait", &moe_epilogue_wait);
   m.impl("megakernel", &megakernel);
+  m.impl("megakernel_timeline", &megakernel_timeline);
   m.impl("bwd_publish", &bwd_publish);
   m.impl("bwd_pull", &bwd_pull);
   m.impl("bwd_tight_map", &bwd_tight_map);

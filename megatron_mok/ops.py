@@ -55,7 +55,8 @@ def _register_fakes() -> None:
         return None
 
     for name in ("barrier", "publish_barrier", "build_schedule", "dispatch", "grouped_gemm",
-                 "combine", "moe_epilogue", "moe_epilogue_wait", "megakernel", "bwd_publish", "bwd_pull",
+                 "combine", "moe_epilogue", "moe_epilogue_wait", "megakernel", "megakernel_timeline",
+                 "bwd_publish", "bwd_pull",
                  "bwd_tight_map", "gather_rows", "swiglu_backward", "zero_empty_segments", "bwd_push",
                  "bwd_epilogue_wait"):
         torch.library.register_fake(f"megatron_mok::{name}")(_noop)
@@ -137,6 +138,16 @@ def megakernel(x, fc1, fc2, shared_fc1, shared_fc2, row_src_rank, row_src_slot, 
     _ops().megakernel(x, fc1, fc2, shared_fc1, shared_fc2, row_src_rank, row_src_slot, expert_counts, expert_offsets,
                       x_routed, act, h, y_routed, shared_act, shared_h, shared_y, counters, state, errors, peer_x,
                       peer_comb, peer_flags, rank, topk, num_comm, num_compute, minibatch_rows, float(timeout_s))
+
+
+def megakernel_timeline(records=None) -> None:
+    """Profiling: with ``records`` (CUDA int64 [n > 1024, 8], zeroed) every later megakernel launch
+    stamps each task into it (``megatron_mok.timeline`` reads it); None turns the stamps off. The
+    tensor must stay alive while it is on."""
+    if records is None:
+        _ops().megakernel_timeline(torch.empty((0, 8), dtype=torch.int64, device="cuda"), False)
+    else:
+        _ops().megakernel_timeline(records, True)
 
 
 # ---- backward (csrc/kernels/backward.cu) -----------------------------------------------------------

@@ -13,6 +13,7 @@ Backends (same inputs, same weights, bf16, one shared expert of size Is = I):
   mok@F=V+F=V  mok with MoKConfig fields set, e.g. mok@fwd_comm_sms=8+minibatch_rows=2048 (knobs: same bits)
   mok_ab    mok with the kernel environment variable of --ab-env (e.g. MOK_GEMM_PAIRED=0: the GEMMs
             without 2-CTA clusters); the kernels' A/B switches keep the bits, which is checked
+  mok%NAME=VALUE  the same for any MOK_ kernel switch, several per run (e.g. mok%MOK_GEMM_PAIRED=0)
   mok_recompute  mok with MoKConfig(save_gate_up=False): the forward keeps no gate/up outputs and
             the backward recomputes them (the activation-checkpointing memory mode)
   alltoall  Megatron-Core MoEAlltoAllTokenDispatcher (NCCL all-to-all) + torch._grouped_mm experts
@@ -33,8 +34,9 @@ before it, both divided by T.
 Timing: CUDA events around every iteration on every rank, warm-up first; the reported time is the
 median over iterations of the per-iteration maximum over ranks. Forward FLOPs per rank =
 6 T k H I + 6 T H Is. The roofline is an 8192^3 bf16 matmul measured in the same run.
---breakdown (mok) also times each launch of the staged forward, once with the GEMMs' 2-CTA clusters
-(default) and once with MOK_GEMM_PAIRED=0.
+--breakdown (mok) also times each launch of the staged forward, once as is and once with --ab-env.
+--timeline (forward, mok and its variants) runs one more forward with the megakernel's per-task
+stamps on (ops.megakernel_timeline) and stores megatron_mok.timeline.summarize of every rank.
 Correctness gate first: mok against the fp32 reference (megatron_mok.reference) at T=256 with the
 real H, I, E, k; every backend's output against mok's (relative error, reported).
 Results: bench/results/<YYYY-MM-DD>_<gpu>_ep<N>_<pass>.json (merged with an existing file).
@@ -181,14 +183,43 @@ def backend_mok_recompute(c, dev):
     return backend_mok(c, dev, save_gate_up=False, name="mok_recompute")
 
 
-def backend_mok_ab(c, dev):
-    step, ws = backend_mok(c, dev, name="mok_ab")
+def backend_mok_env(c, dev, name: str, env: tuple[str, str], overrides=None):
+    step, ws = backend_mok(c, dev, name=name, overrides=overrides)
 
-    def ab_step():
-        with env_var(*AB_ENV):
+    def env_step():
+        with env_var(*env):
             return step()
 
-    return ab_step, ws
+    return env_step, ws
+
+
+def backend_mok_ab(c, dev):
+    return backend_mok_env(c, dev, "mok_ab", AB_ENV)
+
+
+def parse_env_backend(be: str) -> tuple[str, str]:
+    """'mok%MOK_GEMM_PAIRED=0' -> ('MOK_GEMM_PAIRED', '0')."""
+    name, _, value = be.partition("%")[2].partition("=")
+    if not name.startswith("MOK_") or not value:
+        raise ValueError(f"backend {be!r}: want mok%NAME=VALUE with a MOK_ kernel switch")
+    return name, value
+
+
+def mok_timeline(step) -> list[dict]:
+    """One more forward with the megakernel's per-task stamps on; the summary of every rank."""
+    from megatron_mok import ops, timeline
+
+    records = timeline.new_records(1 << 17, torch.device("cuda", torch.cuda.current_device()))
+    torch.cuda.synchronize()
+    ops.megakernel_timeline(records)
+    try:
+        step()
+        torch.cuda.synchronize()
+    finally:
+        ops.megakernel_timeline(None)
+    summaries = [None] * dist.get_world_size()
+    dist.all_gather_object(summaries, timeline.summarize(records))
+    return summaries
 
 
 def _megatron_groups():
@@ -499,7 +530,7 @@ def run_cases(args, backends, dev) -> list[dict]:
                            pass_=PASS)
                 if be == "mok_ab" or (be == "mok" and args.breakdown):
                     row["ab_env"] = "=".join(AB_ENV)
-                if PASS == "bwd" and be not in BWD_BACKENDS and not be.startswith("mok@"):
+                if PASS == "bwd" and be not in BWD_BACKENDS and not be.startswith(("mok@", "mok%")):
                     row.update(status="error", error=f"--pass bwd supports {BWD_BACKENDS}, not {be}")
                     rows.append(row)
                     continue
@@ -509,7 +540,9 @@ def run_cases(args, backends, dev) -> list[dict]:
                         row["gate_rel_err_vs_fp32_reference"] = gate
                         if not gate <= 1e-2:
                             raise RuntimeError(f"correctness gate failed (rel err {gate})")
-                    if "@" in be:  # mok with MoKConfig fields set (knobs: same bits, checked)
+                    if "%" in be:  # mok with a kernel switch (same bits, checked)
+                        step, _ = backend_mok_env(c, dev, be, parse_env_backend(be))
+                    elif "@" in be:  # mok with MoKConfig fields set (knobs: same bits, checked)
                         step, _ = backend_mok(c, dev, name=be, overrides=config_overrides(be))
                     else:
                         step, _ = BACKEND_FNS[be](c, dev)
@@ -537,7 +570,8 @@ def run_cases(args, backends, dev) -> list[dict]:
                         e = torch.tensor([float((out.float() - ref_out).norm() / ref_out.norm())], device=dev)
                         dist.all_reduce(e, op=dist.ReduceOp.MAX)
                         row["rel_err_vs_mok"] = float(e)
-                    if (be in ("mok_staged", "mok_recompute", "mok_ab") or be.startswith("mok@")) and ref_bits is not None:
+                    if (be in ("mok_staged", "mok_recompute", "mok_ab") or be.startswith(("mok@", "mok%"))) \
+                            and ref_bits is not None:
                         same = torch.tensor([int(torch.equal(out.view(torch.int16), ref_bits.view(torch.int16)))],
                                             device=dev)
                         dist.all_reduce(same, op=dist.ReduceOp.MIN)
@@ -547,6 +581,11 @@ def run_cases(args, backends, dev) -> list[dict]:
                     med = ts[len(ts) // 2]
                     row.update(ms=med, ms_p10=ts[len(ts) // 10], ms_p90=ts[(9 * len(ts)) // 10], iters=len(ts),
                                tflops=flops / (med * 1e-3) / 1e12, status="ok")
+                    if args.timeline and PASS == "fwd" and be != "mok_staged" and be.startswith("mok"):
+                        row["timeline"] = mok_timeline(step)
+                        t = row["timeline"][0]
+                        log(f"  timeline rank 0: span {t['span_us']} us, SM time {t['leader_time']}, "
+                            + ", ".join(f"{k} {v['tasks']} x {v['tile_us_mean']} us" for k, v in t["per_kind"].items()))
                     if be == "mok" and args.breakdown:
                         row["stages_ms"] = mok_breakdown(c, dev, args.iters)
                         with env_var(*AB_ENV):
@@ -640,6 +679,8 @@ def main() -> None:
     p.add_argument("--child-timeout", type=float, default=600, help="seconds for the symm_a2a child processes")
     p.add_argument("--breakdown", action="store_true",
                    help="also time each mok stage separately, by default and with --ab-env (stages_ms_ab)")
+    p.add_argument("--timeline", action="store_true",
+                   help="forward: one more run of each mok backend with the megakernel's per-task timeline")
     p.add_argument("--ab-env", default="=".join(AB_ENV),
                    help="NAME=VALUE of a kernel switch (same bits) for the mok_ab backend and --breakdown's second run")
     p.add_argument("--_child-out", dest="child_out", default=None, help=argparse.SUPPRESS)
@@ -655,8 +696,13 @@ def main() -> None:
                 MoKConfig(**config_overrides(b))
             except (TypeError, ValueError) as exc:
                 p.error(f"backend {b!r}: {exc}")
+        elif b.startswith("mok%"):
+            try:
+                parse_env_backend(b)
+            except ValueError as exc:
+                p.error(str(exc))
         elif b not in BACKENDS:
-            p.error(f"unknown backend {b!r}; choose from {BACKENDS} or mok@FIELD=VALUE+FIELD=VALUE")
+            p.error(f"unknown backend {b!r}; choose from {BACKENDS}, mok@FIELD=VALUE+FIELD=VALUE or mok%NAME=VALUE")
 
     if args.child_out is not None:
         import torch.distributed._symmetric_memory as symm_mem

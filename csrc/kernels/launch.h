@@ -196,4 +196,9 @@ int64_t megakernel_counter_ints(int capacity, int T);
 // minibatch_rows.
 const char* launch_megakernel(const MegaArgs& a, cudaStream_t stream);
 
+// Profiling: later megakernel launches stamp each task into `records` (int64 [num_records, 8]:
+// claimed, dependencies met, first stage full, epilogue done (%globaltimer ns), SM, kind, m-unit,
+// n-tile), the last 1024 records being the dispatching CTAs' (start, end, SM, kind -1). null: off.
+void set_megakernel_timeline(long long* records, int64_t num_records);
+
 }  // namespace mok

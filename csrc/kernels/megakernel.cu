@@ -55,6 +55,7 @@ constexpr int kMailbox = 8;                     // task mailbox slots (> kStages
 constexpr int kPushSlots = 4;                   // queued y pushes per CTA
 constexpr int kPusherWarps = 3;                 // warps 1-3 of the producer warpgroup
 constexpr int kPushBatch = 4;                   // rows a pusher warp has in flight
+constexpr int kMaxTimelineRoles = 1024;         // dispatching-CTA records at the end of a timeline
 
 // Counter buffer: header, then ready[max_mtiles], up_done[max_mtiles], sup_done[shared_mtiles].
 enum Counter : int { kTicket = 0, kRole = 1, kExit = 2, kAbort = 3, kHeader = 4 };
@@ -85,7 +86,25 @@ struct Params {
   PeerPtrs x_bufs;
   PeerPtrs comb_bufs;
   PeerPtrs flags;
+  long long* timeline;  // null, or kTimelineFields int64 per task, then per dispatching CTA (profiling)
+  int timeline_tasks;   // task records in timeline (tasks past it are not recorded)
 };
+
+// Timeline record (set_megakernel_timeline): %globaltimer stamps of one task, written by the
+// cluster's first CTA: claimed by the producer, dependencies met, first stage full at consumer
+// warpgroup 0, its epilogue done; then the SM, kind, m-unit and n-tile. A dispatching CTA's record
+// (after the task records, by role) holds its start and end in the first two fields, kind -1.
+enum TimelineField : int { kClaimNs = 0, kReadyNs, kStartNs, kEndNs, kSm, kKind, kMUnit, kNTile, kTimelineFields };
+
+__device__ __forceinline__ long long* timeline_record(const Params& p, int index) {
+  return p.timeline + static_cast<int64_t>(index) * kTimelineFields;
+}
+
+__device__ __forceinline__ long long smid() {
+  uint32_t id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
 
 struct Task {
   int kind, m, n;
@@ -228,6 +247,8 @@ __device__ void producer(const Params& p, const TMaps& tm, const gemm::Smem& sm,
     if (t < 0) break;
     const Task tk = decode<kPaired>(p, t, mr);
     const int mt = m_tiles_of(p, tk.kind, mr);
+    long long* rec = (p.timeline != nullptr && rank == 0 && t < p.timeline_tasks) ? timeline_record(p, t) : nullptr;
+    if (rec != nullptr) rec[kClaimNs] = static_cast<long long>(globaltimer_ns());
     // both CTAs wait for both m-tiles of a pair (gate/up tiles arrive once per consumer warpgroup)
     for (int m = kPaired ? 2 * tk.m : tk.m; m <= (kPaired ? min(2 * tk.m + 1, mt - 1) : tk.m); ++m) {
       if (tk.kind == kSharedDown) {
@@ -237,6 +258,13 @@ __device__ void producer(const Params& p, const TMaps& tm, const gemm::Smem& sm,
       } else if (tk.kind == kRoutedDown) {
         wait_counter(up_done_ctr(p, m), 2 * p.g[kRoutedUp].n_tiles, w);
       }
+    }
+    if (rec != nullptr) {
+      rec[kReadyNs] = static_cast<long long>(globaltimer_ns());
+      rec[kSm] = smid();
+      rec[kKind] = tk.kind;
+      rec[kMUnit] = tk.m;
+      rec[kNTile] = tk.n;
     }
     const gemm::Params& g = p.g[tk.kind];
     // paired, odd m-tile count: the second CTA of the last pair loads a valid block but computes nothing
@@ -360,6 +388,9 @@ __device__ void consumer(const Params& p, const gemm::Smem& sm, const volatile i
     if (warpgroup_bar_or(bar, !ok || ld_volatile(w.abort) != 0)) break;  // watchdog: stop (uniformly)
     const int t = stage_task[s];
     if (t < 0) break;
+    long long* rec = (p.timeline != nullptr && rank == 0 && cw == 0 && leader && t < p.timeline_tasks)
+                         ? timeline_record(p, t) : nullptr;
+    if (rec != nullptr) rec[kStartNs] = static_cast<long long>(globaltimer_ns());
     const Task tk = decode<kPaired>(p, t, mr);
     const gemm::Params& g = p.g[tk.kind];
     const int mt = m_tiles_of(p, tk.kind, mr);
@@ -385,6 +416,7 @@ __device__ void consumer(const Params& p, const gemm::Smem& sm, const volatile i
         if (leader) push_enqueue(q, make_int4(m, tk.n, cw, row_limit), w);
       }
     }
+    if (rec != nullptr) rec[kEndNs] = static_cast<long long>(globaltimer_ns());
   }
 
   // Done: wait (bounded) until the producer's last ticket claim is over, then tell the pushers.
@@ -432,7 +464,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The first CTAs to start dispatch: they are running, so the GEMM tasks that wait on them cannot
   // starve them of SMs (also when the grid is larger than the GPU).
   const int role = kPaired ? 2 * s_misc[0] + rank : s_misc[0];
-  if (role < p.num_comm) dispatch_rows(p, role);
+  if (role < p.num_comm) {
+    long long* rec = (p.timeline != nullptr && threadIdx.x == 0) ? timeline_record(p, p.timeline_tasks + role) : nullptr;
+    if (rec != nullptr) rec[kClaimNs] = static_cast<long long>(globaltimer_ns());
+    dispatch_rows(p, role);
+    if (p.timeline != nullptr) __syncthreads();  // all of this CTA's rows copied (role is per CTA: all threads)
+    if (rec != nullptr) {
+      rec[kReadyNs] = static_cast<long long>(globaltimer_ns());
+      rec[kSm] = smid();
+      rec[kKind] = -1;
+    }
+  }
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     setmaxnreg_dec<56>();  // the pusher warps need more than 40
@@ -478,6 +520,16 @@ const char* launch(const TMaps& tm, Params p, int num_comm, int num_compute, cud
 
 }  // namespace
 
+namespace {
+long long* g_timeline = nullptr;  // set_megakernel_timeline
+int g_timeline_tasks = 0;
+}  // namespace
+
+void set_megakernel_timeline(long long* records, int64_t num_records) {
+  g_timeline = records;
+  g_timeline_tasks = records != nullptr ? static_cast<int>(std::max<int64_t>(0, num_records - kMaxTimelineRoles)) : 0;
+}
+
 int64_t megakernel_counter_ints(int capacity, int T) {
   return kHeader + 2 * static_cast<int64_t>(capacity / BM) + ceil_div(T, BM);
 }
@@ -491,6 +543,8 @@ const char* launch_megakernel(const MegaArgs& a, cudaStream_t stream) {
     return "mok megakernel: capacity and minibatch_rows must be multiples of 128";
   if (a.ep < 1 || a.ep > kMaxPeers || a.rank < 0 || a.rank >= a.ep) return "mok megakernel: bad rank / EP size";
   if (a.num_comm < 1) return "mok megakernel: needs at least one dispatching CTA";
+  if (g_timeline != nullptr && a.num_comm > kMaxTimelineRoles)
+    return "mok megakernel: the timeline records at most 1024 dispatching CTAs";
 
   TMaps tm;
   memset(&tm, 0, sizeof(tm));
@@ -534,6 +588,8 @@ const char* launch_megakernel(const MegaArgs& a, cudaStream_t stream) {
   p.x_bufs = a.x_bufs;
   p.comb_bufs = a.comb_bufs;
   p.flags = a.flags;
+  p.timeline = g_timeline;
+  p.timeline_tasks = g_timeline_tasks;
   return gemm::pairing_enabled() ? launch<true>(tm, p, a.num_comm, a.num_compute, stream)
                 : launch<false>(tm, p, a.num_comm, a.num_compute, stream);
 }

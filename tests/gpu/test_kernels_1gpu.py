@@ -180,6 +180,49 @@ def test_gemm_pairing_changes_no_bit(shape, monkeypatch):
     ws.check_errors(blocking=True)
 
 
+@pytest.mark.parametrize("paired", ["1", "0"])
+def test_megakernel_timeline_records_every_task(paired, monkeypatch):
+    """With ops.megakernel_timeline on, every task of the launch is stamped once, in causal order,
+    and the output bits do not change."""
+    from megatron_mok import ops, timeline
+
+    monkeypatch.setenv("MOK_GEMM_PAIRED", paired)
+    shape = T, H, I, Is, E, k = 1024, 512, 256, 256, 16, 4
+    cfg, ws, top, inputs, _ = make_case(shape, "skewed", 29, DEV, cfg=MoKConfig(minibatch_rows=1024))
+    sched = _kp().build_schedule(cfg, ws, top)
+    rows = int(sched.expert_offsets[-1])
+    base = _forward_both(cfg, ws, sched, inputs, rows)["mega"][0]
+    records = timeline.new_records(4096, DEV)
+    ops.megakernel_timeline(records)
+    try:
+        out, _ = _kp().forward(cfg, ws, sched, *inputs, path="mega")
+        torch.cuda.synchronize()
+    finally:
+        ops.megakernel_timeline(None)
+    assert torch.equal(bits(out), bits(base)), "the timeline stamps changed the output"
+    n_up, n_down = (I + 127) // 128, (H + 255) // 256
+    n_sup = (Is + 127) // 128
+    shared_units = (T + 127) // 128 if paired == "0" else (T + 255) // 256
+    routed_units = rows // 128 if paired == "0" else (rows + 255) // 256
+    expect = {(0, m, n) for m in range(shared_units) for n in range(n_sup)}
+    expect |= {(1, m, n) for m in range(shared_units) for n in range(n_down)}
+    expect |= {(2, m, n) for m in range(routed_units) for n in range(n_up)}
+    expect |= {(3, m, n) for m in range(routed_units) for n in range(n_down)}
+    r = records.cpu()
+    tasks = r[:-timeline.DISPATCH_RECORDS]
+    tasks = tasks[tasks[:, 3] > 0]
+    got = [tuple(int(v) for v in row[5:8]) for row in tasks]
+    assert len(got) == len(expect) and set(got) == expect, "tasks missing, repeated or unknown"
+    assert (tasks[:, 0] <= tasks[:, 1]).all() and (tasks[:, 1] <= tasks[:, 2]).all() \
+        and (tasks[:, 2] <= tasks[:, 3]).all(), "stamps out of order"
+    disp = r[-timeline.DISPATCH_RECORDS:]
+    disp = disp[disp[:, 1] > 0]
+    assert len(disp) >= 1 and (disp[:, 5] == -1).all() and (disp[:, 0] <= disp[:, 1]).all()
+    s = timeline.summarize(records)
+    assert s["tasks"] == len(expect) and 0 < s["leader_time"]["busy"] <= 1
+    ws.check_errors(blocking=True)
+
+
 def test_megakernel_bits_independent_of_comm_sms_and_minibatch():
     shape = T, H, I, Is, E, k = 1024, 512, 256, 256, 16, 4  # ~36 routed m-tiles: many minibatches at 128 rows
     _, ws, top, inputs, _ = make_case(shape, "skewed", 21, DEV)  # the knobs below do not touch ws
