@@ -37,6 +37,8 @@ median over iterations of the per-iteration maximum over ranks. Forward FLOPs pe
 --breakdown (mok) also times each launch of the staged forward, once as is and once with --ab-env.
 --timeline (forward, mok and its variants) runs one more forward with the megakernel's per-task
 stamps on (ops.megakernel_timeline) and stores megatron_mok.timeline.summarize of every rank.
+--kernels runs 5 more iterations of every backend under the torch profiler and stores rank 0's GPU
+time per iteration by kernel name and category (scripts/trace_summary.py's categories).
 Correctness gate first: mok against the fp32 reference (megatron_mok.reference) at T=256 with the
 real H, I, E, k; every backend's output against mok's (relative error, reported).
 Results: bench/results/<YYYY-MM-DD>_<gpu>_ep<N>_<pass>.json (merged with an existing file).
@@ -203,6 +205,31 @@ def parse_env_backend(be: str) -> tuple[str, str]:
     if not name.startswith("MOK_") or not value:
         raise ValueError(f"backend {be!r}: want mok%NAME=VALUE with a MOK_ kernel switch")
     return name, value
+
+
+def kernel_times(step, iters: int = 5, top: int = 12) -> dict:
+    """GPU time per iteration by kernel (the `top` largest) and by category, rank 0's view."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from trace_summary import categorize
+
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    by_name: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
+            by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time_total / 1e3 / iters
+    by_cat: dict[str, float] = {}
+    for name, ms in by_name.items():
+        by_cat[categorize(name)] = by_cat.get(categorize(name), 0.0) + ms
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1])
+    return {"ms_per_iter": round(sum(by_name.values()), 4),
+            "by_category": {k: round(v, 4) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
+            "top": [{"name": n[:120], "ms": round(ms, 4)} for n, ms in ranked[:top]]}
 
 
 def mok_timeline(step) -> list[dict]:
@@ -581,6 +608,12 @@ def run_cases(args, backends, dev) -> list[dict]:
                     med = ts[len(ts) // 2]
                     row.update(ms=med, ms_p10=ts[len(ts) // 10], ms_p90=ts[(9 * len(ts)) // 10], iters=len(ts),
                                tflops=flops / (med * 1e-3) / 1e12, status="ok")
+                    if args.kernels and be != "symm_a2a":
+                        row["kernels"] = kernel_times(step)
+                        log(f"  kernels ({be}, rank 0, ms per iteration): "
+                            + ", ".join(f"{k} {v:.3f}" for k, v in row["kernels"]["by_category"].items()))
+                        for kern in row["kernels"]["top"]:
+                            log(f"    {kern['ms']:8.3f}  {kern['name'][:100]}")
                     if args.timeline and PASS == "fwd" and be != "mok_staged" and be.startswith("mok"):
                         row["timeline"] = mok_timeline(step)
                         t = row["timeline"][0]
@@ -679,6 +712,8 @@ def main() -> None:
     p.add_argument("--child-timeout", type=float, default=600, help="seconds for the symm_a2a child processes")
     p.add_argument("--breakdown", action="store_true",
                    help="also time each mok stage separately, by default and with --ab-env (stages_ms_ab)")
+    p.add_argument("--kernels", action="store_true",
+                   help="GPU time per kernel of each backend (torch profiler, 5 iterations, rank 0)")
     p.add_argument("--timeline", action="store_true",
                    help="forward: one more run of each mok backend with the megakernel's per-task timeline")
     p.add_argument("--ab-env", default="=".join(AB_ENV),
