@@ -18,8 +18,10 @@ Backends (same inputs, same weights, bf16, one shared expert of size Is = I):
             the backward recomputes them (the activation-checkpointing memory mode)
   alltoall  Megatron-Core MoEAlltoAllTokenDispatcher (NCCL all-to-all) + torch._grouped_mm experts
   symm_a2a  torch.ops.symm_mem.all_to_all_vdev_2d dispatch, all_to_all_vdev_2d_offset combine,
-            torch._grouped_mm experts. Needs the NVSHMEM symmetric-memory backend, selected before
-            the first symmetric allocation, so it runs in a child process per rank (after the others).
+            torch._grouped_mm experts. That all-to-all takes at most 16 splits per rank, so the
+            splits are groups of local experts; each row carries its expert id and the receiver sorts
+            its rows by expert on the device. Needs the NVSHMEM symmetric-memory backend, selected
+            before the first symmetric allocation, so it runs in a child process per rank (after the others).
 
 --pass bwd times the backward alone (the forward runs once, outside the timing): mok =
 megatron_mok.backward on the forward's context (the stage-1 CUDA backward unless MOK_BACKWARD=reference);
@@ -318,60 +320,90 @@ def backend_alltoall(c, dev):
 
 
 class _SymmA2A:
-    """Buffers of the symm-mem all-to-all baseline (NVSHMEM backend), sized for the worst case."""
+    """Buffers of the symm-mem all-to-all baseline (NVSHMEM backend), sized for the worst case.
+
+    torch's all_to_all_vdev_2d takes at most 16 splits per rank (``NUM_TILES``), fewer than the
+    local experts of every shape here, so the splits are groups of ``per_group`` consecutive local
+    experts. Each row carries its local expert id in an extra column (bf16 holds integers up to 256
+    exactly), and the receiver sorts its rows by expert on the device before the grouped GEMMs.
+    """
 
     ALIGN = 16
+    MAX_SPLITS = 16
+    ID_COLS = 8  # the id column, padded so that a row stays a multiple of 16 bytes
 
     def __init__(self, c, dev):
         import torch.distributed._symmetric_memory as symm_mem
 
         ep = dist.get_world_size()
-        T, H, k, nle, E = c["T"], c["H"], c["k"], c["nle"], c["E"]
+        T, H, k, nle = c["T"], c["H"], c["k"], c["nle"]
+        if nle > 256:
+            raise ValueError(f"symm_a2a: {nle} local experts; the bf16 id column holds at most 256")
+        self.groups = min(nle, self.MAX_SPLITS)
+        self.per_group = (nle + self.groups - 1) // self.groups
+        self.groups = (nle + self.per_group - 1) // self.per_group
         self.group_name = dist.group.WORLD.group_name
-        cap_out = ep * T * min(k, nle) + nle * self.ALIGN  # every row of every rank here, plus alignment
+        self.cap_out = ep * T * min(k, nle) + self.groups * self.ALIGN  # every row of every rank, plus alignment
+        W = H + self.ID_COLS
         bf = torch.bfloat16
-        self.inp = symm_mem.empty(T * k, H, dtype=bf, device=dev)
-        self.out = symm_mem.empty(cap_out, H, dtype=bf, device=dev)
-        self.y = symm_mem.empty(cap_out, H, dtype=bf, device=dev)
+        self.inp = symm_mem.empty(T * k, W, dtype=bf, device=dev)
+        self.out = symm_mem.empty(self.cap_out, W, dtype=bf, device=dev)
+        self.y = symm_mem.empty(self.cap_out, H, dtype=bf, device=dev)
         self.back = symm_mem.empty(T * k, H, dtype=bf, device=dev)
-        self.in_splits = symm_mem.empty(E, dtype=torch.int64, device=dev)
-        self.out_so = symm_mem.empty(2, E, dtype=torch.int64, device=dev)
-        self.back_so = symm_mem.empty(2, E, dtype=torch.int64, device=dev)
+        n = ep * self.groups
+        self.in_splits = symm_mem.empty(n, dtype=torch.int64, device=dev)
+        self.out_so = symm_mem.empty(2, n, dtype=torch.int64, device=dev)
+        self.back_so = symm_mem.empty(2, n, dtype=torch.int64, device=dev)
         for t in (self.inp, self.out, self.y, self.back, self.in_splits, self.out_so, self.back_so):
             symm_mem.rendezvous(t, dist.group.WORLD)
+        self.inp.zero_()
         self.out.zero_()
         self.y.zero_()
         torch.cuda.synchronize()
         dist.barrier()
 
 
+def sort_rows_by_expert(id_col: torch.Tensor, nle: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(perm, offs) for rows whose local expert id is ``id_col`` (ids outside [0, nle): no expert):
+    ``rows[perm]`` holds each expert's rows contiguously in arrival order, experts in order, rows of
+    no expert last; ``offs`` (int32 [nle]) are the group ends that torch._grouped_mm takes. No host sync."""
+    n = id_col.shape[0]
+    rid = id_col.to(torch.int64)
+    rid = torch.where((rid >= 0) & (rid < nle), rid, torch.full_like(rid, nle))
+    perm = torch.argsort(rid * n + torch.arange(n, dtype=torch.int64, device=id_col.device))
+    counts = torch.zeros(nle + 1, dtype=torch.int32, device=id_col.device)
+    counts.index_add_(0, rid, torch.ones(n, dtype=torch.int32, device=id_col.device))
+    return perm, torch.cumsum(counts[:nle], 0, dtype=torch.int32)
+
+
 def backend_symm_a2a(c, dev):
     log(f"symm_a2a: allocating NVSHMEM buffers (T={c['T']}, H={c['H']})", all_ranks=True)
     bufs = _SymmA2A(c, dev)
-    log("symm_a2a: buffers ready", all_ranks=True)
-    ep, T, H, k, nle, E, I = dist.get_world_size(), c["T"], c["H"], c["k"], c["nle"], c["E"], c["I"]
+    log(f"symm_a2a: buffers ready ({bufs.groups} splits per rank of {bufs.per_group} experts)", all_ranks=True)
+    ep, T, H, k, nle, I = dist.get_world_size(), c["T"], c["H"], c["k"], c["nle"], c["I"]
     fc1t, fc2t = c["fc1"].transpose(1, 2), c["fc2"].transpose(1, 2)
     flat = c["top"].reshape(-1)
     order = torch.argsort(flat, stable=True)  # rank-major, then local expert, then (token, slot)
     src_tok = order // k
-    splits = torch.bincount(flat, minlength=E)
+    # per (destination rank, expert group) row counts; each row carries its local expert id
+    splits = torch.zeros(ep * bufs.groups, dtype=torch.int64, device=dev)
+    splits.index_add_(0, (flat // nle) * bufs.groups + (flat % nle) // bufs.per_group, torch.ones_like(flat))
+    ids = (flat[order] % nle).to(torch.bfloat16)
 
     def step():
-        torch.index_select(c["x"], 0, src_tok, out=bufs.inp)
+        torch.index_select(c["x"], 0, src_tok, out=bufs.inp[:, :H])
+        bufs.inp[:, H] = ids
         bufs.in_splits.copy_(splits)
+        bufs.out[:, H].fill_(nle)  # rows no peer writes (alignment, unused) sort last
         torch.ops.symm_mem.all_to_all_vdev_2d(bufs.inp, bufs.out, bufs.in_splits, bufs.out_so, bufs.group_name,
                                               major_align=_SymmA2A.ALIGN)
-        so = bufs.out_so.view(2, nle, ep)
-        ends = torch.empty(nle, dtype=torch.int64, device=dev)
-        ends[:-1] = so[1, 1:, 0]
-        last = so[0, -1].sum()  # every expert holds at least ALIGN rows (no empty groups)
-        ends[-1] = so[1, -1, 0] + torch.clamp((last + _SymmA2A.ALIGN - 1) // _SymmA2A.ALIGN * _SymmA2A.ALIGN,
-                                              min=_SymmA2A.ALIGN)
-        offs = ends.to(torch.int32)
-        h = torch._grouped_mm(bufs.out, fc1t, offs=offs)
+        # rows of one expert group arrive per source rank; sort them by expert (on the device)
+        perm, offs = sort_rows_by_expert(bufs.out[:, H], nle)
+        a_in = bufs.out[:, :H].index_select(0, perm)
+        h = torch._grouped_mm(a_in, fc1t, offs=offs)
         a = F.silu(h[:, :I]) * h[:, I:]
         y = torch._grouped_mm(a, fc2t, offs=offs)
-        bufs.y[: y.shape[0]].copy_(y)
+        bufs.y.index_copy_(0, perm, y)  # back to the arrival order
         torch.ops.symm_mem.all_to_all_vdev_2d_offset(bufs.y, bufs.back, bufs.out_so, bufs.back_so, bufs.group_name)
         slots = torch.empty(T * k, H, dtype=torch.bfloat16, device=dev)
         slots[order] = bufs.back  # unique slots: a plain scatter
