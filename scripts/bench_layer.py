@@ -389,9 +389,14 @@ def backend_symm_a2a(c, dev):
     splits = torch.zeros(ep * bufs.groups, dtype=torch.int64, device=dev)
     splits.index_add_(0, (flat // nle) * bufs.groups + (flat % nle) // bufs.per_group, torch.ones_like(flat))
     ids = (flat[order] % nle).to(torch.bfloat16)
+    back_order = torch.argsort(order)  # slot -> row of the returned buffer
+    probs_bf = c["probs"].to(torch.bfloat16).view(T, 1, k)
+    x_ext = torch.zeros(T, H + _SymmA2A.ID_COLS, dtype=torch.bfloat16, device=dev)
+    arange_out = torch.arange(bufs.cap_out, dtype=torch.int64, device=dev)
 
     def step():
-        torch.index_select(c["x"], 0, src_tok, out=bufs.inp[:, :H])
+        x_ext[:, :H] = c["x"]  # rows with room for the id column: one contiguous gather below
+        torch.index_select(x_ext, 0, src_tok, out=bufs.inp)
         bufs.inp[:, H] = ids
         bufs.in_splits.copy_(splits)
         bufs.out[:, H].fill_(nle)  # rows no peer writes (alignment, unused) sort last
@@ -403,12 +408,12 @@ def backend_symm_a2a(c, dev):
         h = torch._grouped_mm(a_in, fc1t, offs=offs)
         a = F.silu(h[:, :I]) * h[:, I:]
         y = torch._grouped_mm(a, fc2t, offs=offs)
-        bufs.y.index_copy_(0, perm, y)  # back to the arrival order
+        inv = torch.empty_like(perm).index_copy_(0, perm, arange_out)
+        torch.index_select(y, 0, inv, out=bufs.y)  # back to the arrival order (a gather)
         torch.ops.symm_mem.all_to_all_vdev_2d_offset(bufs.y, bufs.back, bufs.out_so, bufs.back_so, bufs.group_name)
-        slots = torch.empty(T * k, H, dtype=torch.bfloat16, device=dev)
-        slots[order] = bufs.back  # unique slots: a plain scatter
-        routed = (slots.view(T, k, H).float() * c["probs"].unsqueeze(2)).sum(1)
-        return (routed + shared_expert(c).float()).to(torch.bfloat16)
+        slots = bufs.back.index_select(0, back_order).view(T, k, H)
+        routed = torch.bmm(probs_bf, slots).view(T, H)  # fp32 accumulation inside, one rounding
+        return routed + shared_expert(c)
 
     return step, None
 
@@ -640,7 +645,7 @@ def run_cases(args, backends, dev) -> list[dict]:
                     med = ts[len(ts) // 2]
                     row.update(ms=med, ms_p10=ts[len(ts) // 10], ms_p90=ts[(9 * len(ts)) // 10], iters=len(ts),
                                tflops=flops / (med * 1e-3) / 1e12, status="ok")
-                    if args.kernels and be != "symm_a2a":
+                    if args.kernels:
                         row["kernels"] = kernel_times(step)
                         log(f"  kernels ({be}, rank 0, ms per iteration): "
                             + ", ".join(f"{k} {v:.3f}" for k, v in row["kernels"]["by_category"].items()))
@@ -701,7 +706,7 @@ def run_symm_child(args, dev) -> list[dict]:
                NVSHMEM_SYMMETRIC_SIZE=os.environ.get("NVSHMEM_SYMMETRIC_SIZE", "32G"), **NO_MULTICAST_ENV)
     cmd = [sys.executable, os.path.abspath(__file__), "--shape", args.shape, "--tokens", args.tokens,
            "--backends", "symm_a2a", "--iters", str(args.iters), "--warmup", str(args.warmup), "--routing",
-           args.routing, "--seed", str(args.seed), "--_child-out", out_path, "--skip-gate", "--tmp-dir", args.tmp_dir]
+           args.routing, "--seed", str(args.seed), "--_child-out", out_path, "--skip-gate", "--tmp-dir", args.tmp_dir] + (["--kernels"] if args.kernels else [])
     try:
         proc = subprocess.run(cmd, env=env, timeout=args.child_timeout)
         rc = proc.returncode
