@@ -285,8 +285,6 @@ __global__ void bwd_epilogue_kernel(const __nv_bfloat16* __restrict__ slots, con
   st16(dx + t * H + c8 * 8, pack8(acc));
 }
 
-inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
-
 }  // namespace
 
 const char* launch_bwd_publish(const void* g, void* g_dst, int64_t g_bytes, const void* p, void* p_dst,

@@ -116,6 +116,7 @@ __device__ __forceinline__ bool watchdog_expired(const Watchdog& w, uint64_t t0,
 // the barrier that precedes the copy provides the ordering.
 __device__ __forceinline__ uint4 ld16(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 __device__ __forceinline__ void st16(void* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 // 8 bf16 <-> 8 fp32 (one 16-byte vector); packing rounds to nearest.
 __device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {

@@ -89,6 +89,8 @@ const char* launch_grouped_gemm(bool swiglu, const void* A, int64_t a_rows, int 
   if (K <= 0 || K % 8 || N % 8) return "mok grouped_gemm: K and N must be positive multiples of 8";
   if (a_rows > (int64_t)1 << 30) return "mok grouped_gemm: too many rows";
   if (nseg < 1) return "mok grouped_gemm: no segments";
+  if (!aligned16(out) || (pre_out != nullptr && !aligned16(pre_out)))
+    return "mok grouped_gemm: out and pre_out must start at a 16-byte aligned address (16-byte stores)";
   CUtensorMap tmA, tmB;
   if (const char* m = make_tmap_bf16_2d(&tmA, A, a_rows, K, K, gemm::BM)) return m;
   if (const char* m = make_tmap_bf16_2d(&tmB, B, (uint64_t)nseg * b_rows_per_seg, K, K, gemm::BN / 2)) return m;

@@ -192,42 +192,87 @@ __device__ __forceinline__ void mma_tile(const Params& p, const Smem& sm, int cw
   release_stage<kPaired>(&sm.empty[prev]);
 }
 
-// Epilogue straight from the accumulators: bf16 pairs to global memory, rows < row_limit,
-// columns < N; SwiGLU with pre_out also stores the rounded gate and up values, so the backward
-// needs no gate/up recompute and sees the very values the forward activated. !active: the warpgroup's rows are padding (zero rows of A), written as +0, the value
-// the MMA and silu(0) * 0 give them.
+// Two bf16 (rounded to nearest) in one 32-bit word, the first in the low half (lower address).
+__device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// 4x4 transpose of 32-bit words across the quad (the 4 lanes that share an accumulator row):
+// lane q holds w[t] = its two columns of 8-column group t; afterwards it holds group q's 8
+// columns, lane 0's pair first. Two butterfly stages (partners q ^ 2, then q ^ 1), 4 shuffles.
+__device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int q) {
+  const bool b = q & 2, c = q & 1;
+  uint32_t r0 = __shfl_xor_sync(0xffffffffu, b ? w[0] : w[2], 2);
+  uint32_t r1 = __shfl_xor_sync(0xffffffffu, b ? w[1] : w[3], 2);
+  if (b) {
+    w[0] = r0;
+    w[1] = r1;
+  } else {
+    w[2] = r0;
+    w[3] = r1;
+  }
+  r0 = __shfl_xor_sync(0xffffffffu, c ? w[0] : w[1], 1);
+  r1 = __shfl_xor_sync(0xffffffffu, c ? w[2] : w[3], 1);
+  if (c) {
+    w[0] = r0;
+    w[2] = r1;
+  } else {
+    w[1] = r0;
+    w[3] = r1;
+  }
+}
+
+// Epilogue straight from the accumulators: bf16 to global memory, rows < row_limit, columns < N.
+// A quad first trades its 4-byte pieces (quad_transpose) so that every lane stores 8 consecutive
+// columns of a row with one 16-byte store: whole 32-byte sectors and a quarter of the store
+// instructions of storing each bf16 pair (ncu: those pair stores backed up the store queue and
+// stalled the consumers, ~10% of a gate/up tile and ~18% of a down tile). N is a multiple of 8, so
+// an 8-column group is entirely inside or outside the output. SwiGLU with pre_out also stores the
+// rounded gate and up values, so the backward needs no gate/up recompute and sees the very values
+// the forward activated. !active: the warpgroup's rows are padding (zero rows of A), written as
+// +0, the value the MMA and silu(0) * 0 give them.
 template <bool kSwiGLU>
 __device__ __forceinline__ void store_tile(const Params& p, int tile, int cw, const float (&acc)[128], int row_limit,
                                            bool active = true) {
   const int m = tile / p.n_tiles, n = tile % p.n_tiles;
   const int t = threadIdx.x % 128;
-  const int warp = t / 32, lane = t % 32;
-  const int r_base = m * BM + cw * (BM / 2) + 16 * warp + lane / 4;
-  const int c_base = (kSwiGLU ? n * (BN / 2) : n * BN) + 2 * (lane % 4);
-  constexpr int kPairs = kSwiGLU ? 32 : 64;  // (column pairs) x (two row halves) per thread
+  const int warp = t / 32, lane = t % 32, q = lane % 4;
+  const int r0 = m * BM + cw * (BM / 2) + 16 * warp + lane / 4;
+  const int c_tile = kSwiGLU ? n * (BN / 2) : n * BN;
+  constexpr int kGroups = kSwiGLU ? BN / 16 : BN / 8;  // 8-column output groups per row
+  const bool keep_h = kSwiGLU && p.pre_out != nullptr;
 #pragma unroll
-  for (int q = 0; q < kPairs; ++q) {
-    const int i = 2 * q;
-    const int r = r_base + 8 * ((i / 2) % 2);
-    const int c = c_base + 8 * (i / 4);
-    float v0, v1;
-    if constexpr (kSwiGLU) {
-      v0 = swiglu(acc[i], acc[i + 64]);
-      v1 = swiglu(acc[i + 1], acc[i + 65]);
-    } else {
-      v0 = acc[i];
-      v1 = acc[i + 1];
-    }
-    if (!active) v0 = v1 = 0.f;
-    if (r < row_limit && c < p.N) {
-      *reinterpret_cast<__nv_bfloat162*>(p.out + static_cast<int64_t>(r) * p.N + c) = __floats2bfloat162_rn(v0, v1);
-      if constexpr (kSwiGLU) {
-        if (p.pre_out != nullptr) {
+  for (int g0 = 0; g0 < kGroups; g0 += 4) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // accumulator rows r0 and r0 + 8
+      uint32_t w[4], wg[4], wu[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int i = 4 * (g0 + k) + 2 * half;
+        if constexpr (kSwiGLU) {
+          w[k] = active ? bf16x2_bits(swiglu(acc[i], acc[i + 64]), swiglu(acc[i + 1], acc[i + 65])) : 0u;
+          if (keep_h) {
+            wg[k] = active ? bf16x2_bits(acc[i], acc[i + 1]) : 0u;
+            wu[k] = active ? bf16x2_bits(acc[i + 64], acc[i + 65]) : 0u;
+          }
+        } else {
+          w[k] = active ? bf16x2_bits(acc[i], acc[i + 1]) : 0u;
+        }
+      }
+      quad_transpose(w, q);
+      if (keep_h) {
+        quad_transpose(wg, q);
+        quad_transpose(wu, q);
+      }
+      const int r = r0 + 8 * half;
+      const int c = c_tile + 8 * (g0 + q);
+      if (r < row_limit && c < p.N) {
+        st16(p.out + static_cast<int64_t>(r) * p.N + c, make_uint4(w[0], w[1], w[2], w[3]));
+        if (keep_h) {
           __nv_bfloat16* h = p.pre_out + static_cast<int64_t>(r) * (2 * p.N) + c;
-          *reinterpret_cast<__nv_bfloat162*>(h) =
-              active ? __floats2bfloat162_rn(acc[i], acc[i + 1]) : __floats2bfloat162_rn(0.f, 0.f);
-          *reinterpret_cast<__nv_bfloat162*>(h + p.N) =
-              active ? __floats2bfloat162_rn(acc[i + 64], acc[i + 65]) : __floats2bfloat162_rn(0.f, 0.f);
+          st16(h, make_uint4(wg[0], wg[1], wg[2], wg[3]));
+          st16(h + p.N, make_uint4(wu[0], wu[1], wu[2], wu[3]));
         }
       }
     }

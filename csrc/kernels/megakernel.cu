@@ -543,6 +543,9 @@ const char* launch_megakernel(const MegaArgs& a, cudaStream_t stream) {
     return "mok megakernel: capacity and minibatch_rows must be multiples of 128";
   if (a.ep < 1 || a.ep > kMaxPeers || a.rank < 0 || a.rank >= a.ep) return "mok megakernel: bad rank / EP size";
   if (a.num_comm < 1) return "mok megakernel: needs at least one dispatching CTA";
+  for (const void* out : {a.act, a.h, a.y_routed, a.shared_act, a.shared_h, a.shared_y})
+    if (out != nullptr && !aligned16(out))
+      return "mok megakernel: the GEMM outputs must start at 16-byte aligned addresses (16-byte stores)";
   if (g_timeline != nullptr && a.num_comm > kMaxTimelineRoles)
     return "mok megakernel: the timeline records at most 1024 dispatching CTAs";
 
