@@ -198,29 +198,27 @@ __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// A butterfly step between lane q and lane q ^ d of a quad: a lane with take_a sends its (a0, a1)
+// and replaces them with what its partner sends; the other lane does the same with (b0, b1).
+__device__ __forceinline__ void quad_swap(uint32_t& a0, uint32_t& a1, uint32_t& b0, uint32_t& b1, bool take_a, int d) {
+  const uint32_t r0 = __shfl_xor_sync(0xffffffffu, take_a ? a0 : b0, d);
+  const uint32_t r1 = __shfl_xor_sync(0xffffffffu, take_a ? a1 : b1, d);
+  if (take_a) {
+    a0 = r0;
+    a1 = r1;
+  } else {
+    b0 = r0;
+    b1 = r1;
+  }
+}
+
 // 4x4 transpose of 32-bit words across the quad (the 4 lanes that share an accumulator row):
 // lane q holds w[t] = its two columns of 8-column group t; afterwards it holds group q's 8
-// columns, lane 0's pair first. Two butterfly stages (partners q ^ 2, then q ^ 1), 4 shuffles.
+// columns, lane 0's pair first. Two butterfly stages: 2x2 blocks with lane q ^ 2, then words
+// inside them with lane q ^ 1.
 __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int q) {
-  const bool b = q & 2, c = q & 1;
-  uint32_t r0 = __shfl_xor_sync(0xffffffffu, b ? w[0] : w[2], 2);
-  uint32_t r1 = __shfl_xor_sync(0xffffffffu, b ? w[1] : w[3], 2);
-  if (b) {
-    w[0] = r0;
-    w[1] = r1;
-  } else {
-    w[2] = r0;
-    w[3] = r1;
-  }
-  r0 = __shfl_xor_sync(0xffffffffu, c ? w[0] : w[1], 1);
-  r1 = __shfl_xor_sync(0xffffffffu, c ? w[2] : w[3], 1);
-  if (c) {
-    w[0] = r0;
-    w[2] = r1;
-  } else {
-    w[1] = r0;
-    w[3] = r1;
-  }
+  quad_swap(w[0], w[1], w[2], w[3], q & 2, 2);
+  quad_swap(w[0], w[2], w[1], w[3], q & 1, 1);
 }
 
 // Epilogue straight from the accumulators: bf16 to global memory, rows < row_limit, columns < N.
