@@ -83,6 +83,21 @@ def test_grouped_gemm_single_segment_tail_rows():
     assert rel_err(out, ref) < 1e-2
 
 
+def test_grouped_gemm_rejects_misaligned_outputs():
+    """The epilogue writes 16-byte vectors: an output view that starts off a 16-byte boundary is
+    refused with a message that says so, and nothing is written."""
+    from megatron_mok import ops
+
+    a = torch.randn(128, 256, device=DEV).bfloat16()
+    b = torch.randn(256, 256, device=DEV).bfloat16()
+    flat = torch.zeros(128 * 256 + 8, dtype=torch.bfloat16, device=DEV)
+    out = flat[1:1 + 128 * 256].view(128, 256)  # contiguous, 2 bytes past an aligned address
+    with pytest.raises(RuntimeError, match="16-byte aligned"):
+        ops.grouped_gemm(a, b, None, out, False)
+    torch.cuda.synchronize()
+    assert not flat.any(), "a refused launch wrote its output"
+
+
 # ---- schedule ------------------------------------------------------------------------------------
 
 
