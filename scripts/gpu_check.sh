@@ -8,7 +8,8 @@
 #   BWD_BENCH_ARGS  arguments of the benchwd stage (default: DeepSeek-V3, T=4096, mok,
 #               mok_recompute, alltoall, --pass bwd)
 #   MOK_BENCH_NOTE  note stored in the benchmark JSON
-#   TEST_ARGS   extra pytest arguments (e.g. -k forward)
+#   TEST_ARGS   extra pytest arguments, split at spaces (e.g. -x --maxfail=3)
+#   TEST_K      a pytest -k expression, passed whole (e.g. "misaligned or timeline")
 #   NO_SKIP_PAD_RETRY  set: no second test1 run with MOK_GEMM_SKIP_PAD=0 after a failure (saves time)
 #   MOK_BACKWARD  cuda (default) or reference: the backward the tests' autograd paths and e2e use
 # NVLink multicast stays off everywhere (also in children): NCCL_NVLS_ENABLE=0,
@@ -22,6 +23,7 @@ mkdir -p "$OUT"
 STAGES="${STAGES:-build test1 test2 bench}"
 BENCH_ARGS="${BENCH_ARGS:---shape all --tokens 2048,4096 --backends mok,mok_staged,alltoall --pass fwd --iters 50}"
 TEST_ARGS="${TEST_ARGS:-}"
+TEST_K="${TEST_K:-}"
 NGPU="$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)"
 declare -A RESULT
 T_START=$(date +%s)
@@ -65,7 +67,7 @@ run_pytest() {  # name, timeout, pytest args...
   local t0=$(date +%s)
   # a hung kernel ends the run (thread method: stack dump, then exit) instead of eating the lease
   timeout -k 10 "$to" python3 -m pytest -q -rfEs -p no:cacheprovider --timeout="${TEST_TIMEOUT:-120}" \
-    --timeout-method=thread "$@" $TEST_ARGS 2>&1 | tee "$OUT/$name.log" | tail -25
+    --timeout-method=thread "$@" $TEST_ARGS ${TEST_K:+-k "$TEST_K"} 2>&1 | tee "$OUT/$name.log" | tail -25
   local rc=${PIPESTATUS[0]}
   local line; line="$(grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error)' "$OUT/$name.log" | tail -1)"
   RESULT[$name]="rc=$rc ${line:-no summary} ($(elapsed $t0))"
