@@ -227,7 +227,8 @@ def kernel_times(step, iters: int = 5, top: int = 12) -> dict:
             by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time_total / 1e3 / iters
     by_cat: dict[str, float] = {}
     for name, ms in by_name.items():
-        by_cat[categorize(name)] = by_cat.get(categorize(name), 0.0) + ms
+        cat = categorize(name)
+        by_cat[cat] = by_cat.get(cat, 0.0) + ms
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1])
     return {"ms_per_iter": round(sum(by_name.values()), 4),
             "by_category": {k: round(v, 4) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
