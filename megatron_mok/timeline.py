@@ -39,6 +39,9 @@ def summarize(records: torch.Tensor, bins: int = 16) -> dict:
     if r.dim() != 2 or r.shape[1] != len(FIELDS) or r.shape[0] <= DISPATCH_RECORDS:
         raise ValueError(f"timeline records must be int64 [n > {DISPATCH_RECORDS}, {len(FIELDS)}], got {tuple(r.shape)}")
     tasks, disp = r[:-DISPATCH_RECORDS], r[-DISPATCH_RECORDS:]
+    if tasks[-1, 0] > 0:  # the kernel stamps only tasks below the capacity: later ones are missing
+        raise ValueError(f"timeline records full ({tasks.shape[0]} task rows): the launch may have had more tasks; "
+                         "allocate more rows (new_records)")
     tasks = tasks[(tasks[:, 3] > 0) & (tasks[:, 2] > 0)]
     disp = disp[disp[:, 1] > 0]
     if tasks.numel() == 0:

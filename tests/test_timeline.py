@@ -50,3 +50,7 @@ def test_bad_records_are_named():
         timeline.summarize(torch.zeros((3, 8), dtype=torch.int64))
     with pytest.raises(ValueError, match="no task was recorded"):
         timeline.summarize(timeline.new_records(4, "cpu"))
+    full = timeline.new_records(2, "cpu")
+    full[:2, :4] = torch.tensor([1, 2, 3, 4])
+    with pytest.raises(ValueError, match="timeline records full"):
+        timeline.summarize(full)
