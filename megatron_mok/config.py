@@ -24,7 +24,9 @@ class MoKConfigError(ValueError):
 class MoKConfig:
     """Knobs of one mok MoE layer pass.
 
-    fwd_comm_sms / bwd_comm_sms: SMs the persistent kernel gives to token movement.
+    fwd_comm_sms: SMs of the forward megakernel that pull-dispatch tokens before they compute (1-64).
+    bwd_comm_sms: SMs (4 CTAs each) of the backward's pull, push and row-gather kernels (1-132); the
+        rest can run the shared expert's backward on its side stream meanwhile.
     minibatch_rows: routed rows per compute/communication overlap step (multiple of ROW_ALIGN).
     macrobatch_rows: rows of the routed ring buffer (a multiple of minibatch_rows).
     capacity_factor: fraction of the worst case (every token of every rank routed here) that the
@@ -51,10 +53,10 @@ class MoKConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise MoKConfigError(f"MoKConfig.{name} must be an int, got {value!r}")
-        for name in ("fwd_comm_sms", "bwd_comm_sms"):
+        for name, most in (("fwd_comm_sms", 64), ("bwd_comm_sms", 132)):
             value = getattr(self, name)
-            if not 1 <= value <= 64:
-                raise MoKConfigError(f"MoKConfig.{name} must be in [1, 64], got {value}")
+            if not 1 <= value <= most:
+                raise MoKConfigError(f"MoKConfig.{name} must be in [1, {most}], got {value}")
         if self.minibatch_rows <= 0 or self.minibatch_rows % ROW_ALIGN:
             raise MoKConfigError(
                 f"MoKConfig.minibatch_rows must be a positive multiple of {ROW_ALIGN}, "

@@ -360,6 +360,38 @@ def _recompute_gate_up(a: torch.Tensor, fc1: torch.Tensor, sched: MoKSchedule | 
     return h
 
 
+def _bwd_overlap_enabled() -> bool:
+    """MOK_BWD_OVERLAP=0 runs the shared expert's backward on the caller's stream (same bits; read per
+    call, so a benchmark can A/B it)."""
+    return os.environ.get("MOK_BWD_OVERLAP", "1") != "0"
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for the backward's shared expert (created once, reused)."""
+    key = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key)
+    return _SIDE_STREAMS[key]
+
+
+def _shared_backward(ctx, g, x, shared_fc1, shared_fc2):
+    """(dsfc1, dsfc2, shared_dx) of the shared expert (cuBLAS, bf16 in, fp32 accumulate)."""
+    shared_fc1, shared_fc2 = shared_fc1.contiguous(), shared_fc2.contiguous()
+    T, Is = g.shape[0], shared_fc1.shape[0] // 2
+    hs = ctx.shared_h if ctx.shared_h is not None else _recompute_gate_up(x, shared_fc1, None)
+    das = g @ shared_fc2  # [T, Is]
+    dhs = torch.empty((T, 2 * Is), dtype=torch.bfloat16, device=g.device)
+    ops.swiglu_backward(hs, das, dhs, None)
+    del hs, das
+    dsfc2 = g.t() @ ctx.shared_act  # [H, Is]
+    dsfc1 = dhs.t() @ x  # [2Is, H]
+    shared_dx = dhs @ shared_fc1  # [T, H]
+    return dsfc1, dsfc2, shared_dx
+
+
 def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out, x, probs, fc1, fc2,
              shared_fc1=None, shared_fc2=None, main_grads=None, *, comm_ctas: int = 0, path: str | None = None):
     """Gradients of one layer on the device. Returns ``functional.MoKGrads``.
@@ -373,23 +405,27 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
        ``bwd_pull``: every routed row pulls its grad_out row and router weight from the source rank,
        ``dy = w * g`` (bf16, tight rows), and pushes ``<g, y_routed>`` (the router-weight gradient,
        fp32, fixed order) into the source's symmetric ``[T * k]`` buffer;
-    3. routed experts: ``h = x_routed @ fc1[e]^T`` from the context (or, when the forward did not
-       keep it, recomputed by the forward's SwiGLU GEMM: the same bits), ``da = dy @ fc2[e]``,
-       ``dh = swiglu_backward(h, da)``, ``dfc2[e] = dy^T @ act``, ``dfc1[e] = dh^T @ x_routed``
-       (``act`` and ``x_routed`` gathered into the tight layout first), ``dx_rows = dh @ fc1[e]``
+    3. shared expert (cuBLAS, bf16 in, fp32 accumulate): on a side stream launched after the pull,
+       joined before step 6 (``MOK_BWD_OVERLAP=0``: on the caller's stream after step 4);
+    4. routed dgrad, the critical path to the push: ``h = x_routed @ fc1[e]^T`` from the context (or,
+       when the forward did not keep it, recomputed by the forward's SwiGLU GEMM: the same bits),
+       ``da = dy @ fc2[e]``, ``dh = swiglu_backward(h, da)``, ``dx_rows = dh @ fc1[e]``
        (``torch._grouped_mm`` with the device offsets ``toffs[1:]``: groups stop at the last real
-       rows; tight padding rows are zero so they add nothing); experts without rows get exact
-       zeros (``zero_empty_segments``);
-    4. ``bwd_push``: dx rows into the source ranks' symmetric ``[T * k, H]`` slots, opening a barrier;
-    5. shared expert (cuBLAS, bf16 in, fp32 accumulate) while peers finish pushing;
+       rows; tight padding rows are zero so they add nothing); ``bwd_push``: dx rows into the
+       source ranks' symmetric ``[T * k, H]`` slots, opening the closing barrier;
+    5. routed wgrad while the peers finish pushing: ``dfc2[e] = dy^T @ act``,
+       ``dfc1[e] = dh^T @ x_routed`` (``act`` and ``x_routed`` gathered into the tight layout first);
+       experts without rows get exact zeros (``zero_empty_segments``);
     6. ``bwd_epilogue_wait``: closes the barrier, ``dx[t] = sum_s slot[t, s]`` in slot order in fp32
        ``+`` shared dx, cast once; ``dprobs`` copied out of the symmetric buffer.
+
+    Which stream runs what changes no bit: every kernel's inputs and reduction order are the same.
 
     Weight gradients come back in bf16 (fp32 accumulation inside each GEMM, one rounding; autograd
     casts them to the weights' dtype anyway); with ``main_grads`` they are added into those fp32
     tensors and the matching fields are None. ``ctx``: the forward's ``KernelContext`` (None:
     recomputed here; a ``ReferenceContext``: the reference backward runs). ``comm_ctas``: CTAs of
-    the pull and push kernels (0: 4 per SM); it changes no bit. ``path`` (default ``MOK_BACKWARD``):
+    the pull, push and gather kernels (0: ``4 * cfg.bwd_comm_sms``); it changes no bit. ``path`` (default ``MOK_BACKWARD``):
     ``"cuda"`` or ``"reference"``.
     """
     from .functional import MoKGrads
@@ -408,6 +444,7 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     c = _comm(ws)
     T, H, k, cap = ws.num_tokens, ws.hidden, ws.topk, sched.capacity
     I = fc1.shape[1] // 2
+    comm_ctas = comm_ctas or 4 * cfg.bwd_comm_sms
     bf16 = dict(dtype=torch.bfloat16, device=ws.device)
     fc1, fc2 = fc1.contiguous(), fc2.contiguous()
     g = _aligned(grad_out)
@@ -430,13 +467,34 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     ops.bwd_pull(sched.row_src_rank, sched.row_src_slot, toffs, ctx.y_routed, dy, g_ptrs, p_ptrs, dw_ptrs, k,
                  comm_ctas, trow=trow)
 
-    # 3. routed experts on the tight rows (cap rows allocated: the row count is a device value)
-    offs = toffs[1:]  # group ends (device); rows at or past toffs[nle] are in no group
+    # 3. the shared expert needs only g: with MOK_BWD_OVERLAP (default on) it runs on a side stream
+    # launched after the pull, filling the SMs the NVLink-bound pull and the routed chain leave idle
+    side = _side_stream(ws.device) if shared_fc1 is not None and _bwd_overlap_enabled() else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(ws.device))
+        with torch.cuda.stream(side):
+            shared = _shared_backward(ctx, g, x, shared_fc1, shared_fc2)
+
+    # 4. routed dgrad first (the critical path to the push): h = x_routed @ fc1[e]^T from the context
+    # (or recomputed by the forward's SwiGLU GEMM: the same bits), da = dy @ fc2[e],
+    # dh = swiglu_backward(h, da), dx_rows = dh @ fc1[e] (cap rows allocated: the row count is a
+    # device value; groups stop at toffs[nle], tight padding rows are zero and add nothing)
+    offs = toffs[1:]
     h = ctx.h if ctx.h is not None else _recompute_gate_up(ctx.x_routed, fc1, sched)  # padded rows
     da = torch._grouped_mm(dy, fc2, offs=offs)  # [cap, I]
     dh = torch.empty((cap, 2 * I), **bf16)
     ops.swiglu_backward(h, da, dh, toffs, trow=trow)
     del h, da
+    dx_rows = torch._grouped_mm(dh, fc1, offs=offs)  # [cap, H]
+
+    # push dx rows into the source ranks' slots (opens the closing barrier); 5. the weight gradients
+    # then run while the peers finish pushing: dfc2[e] = dy^T @ act, dfc1[e] = dh^T @ x_routed
+    # (act and x_routed gathered into the tight layout); experts without rows get exact zeros
+    ops.bwd_push(dx_rows, sched.row_src_rank, sched.row_src_slot, toffs, c.state, slot_ptrs, c.flag_ptrs, ws.rank,
+                 comm_ctas, trow=trow)
+    del dx_rows
+    if shared_fc1 is not None and side is None:
+        shared = _shared_backward(ctx, g, x, shared_fc1, shared_fc2)
     act_t = torch.empty((cap, I), **bf16)
     ops.gather_rows(ctx.act, act_t, trow, toffs, comm_ctas)
     dfc2 = torch._grouped_mm(dy.t(), act_t, offs=offs)  # [nle, H, I]
@@ -445,28 +503,17 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     x_t = torch.empty((cap, H), **bf16)
     ops.gather_rows(ctx.x_routed, x_t, trow, toffs, comm_ctas)
     dfc1 = torch._grouped_mm(dh.t(), x_t, offs=offs)  # [nle, 2I, H]
-    del x_t
+    del x_t, dh
     ops.zero_empty_segments(dfc1, sched.expert_counts)
-    dx_rows = torch._grouped_mm(dh, fc1, offs=offs)  # [cap, H]
-    del dh
 
-    # 4. push dx rows into the source ranks' slots; opens the closing barrier
-    ops.bwd_push(dx_rows, sched.row_src_rank, sched.row_src_slot, toffs, c.state, slot_ptrs, c.flag_ptrs, ws.rank,
-                 comm_ctas, trow=trow)
-
-    # 5. shared expert (overlaps the peers' pushes)
     dsfc1 = dsfc2 = shared_dx = None
     if shared_fc1 is not None:
-        shared_fc1, shared_fc2 = shared_fc1.contiguous(), shared_fc2.contiguous()
-        Is = shared_fc1.shape[0] // 2
-        hs = ctx.shared_h if ctx.shared_h is not None else _recompute_gate_up(x, shared_fc1, None)
-        das = g @ shared_fc2  # [T, Is]
-        dhs = torch.empty((T, 2 * Is), **bf16)
-        ops.swiglu_backward(hs, das, dhs, None)
-        del hs, das
-        dsfc2 = g.t() @ ctx.shared_act  # [H, Is]
-        dsfc1 = dhs.t() @ x  # [2Is, H]
-        shared_dx = dhs @ shared_fc1  # [T, H]
+        if side is not None:  # join; the side stream's results are used on this stream from here on
+            main = torch.cuda.current_stream(ws.device)
+            main.wait_stream(side)
+            for t in shared:
+                t.record_stream(main)
+        dsfc1, dsfc2, shared_dx = shared
 
     # 6. close the barrier; fixed-order slot sum + shared dx; dprobs out of the symmetric buffer
     dx = torch.empty((T, H), **bf16)

@@ -26,7 +26,10 @@ Backends (same inputs, same weights, bf16, one shared expert of size Is = I):
 --pass bwd times the backward alone (the forward runs once, outside the timing): mok =
 megatron_mok.backward on the forward's context (the stage-1 CUDA backward unless MOK_BACKWARD=reference);
 alltoall = torch.autograd.grad through the dispatcher + torch._grouped_mm experts + shared expert
-(retain_graph, so every iteration replays the same backward; gradients are returned, not accumulated).
+(retain_graph, so every iteration replays the same backward; gradients are returned, not accumulated);
+symm_a2a = the same through its forward, whose two exchanges are autograd functions running the
+reverse exchange in their backward (all_to_all_vdev_2d_offset for the dispatch, all_to_all_vdev_2d
+for the combine).
 Backward FLOPs = 2x the forward FLOPs (mok_recompute also recomputes the gate/up GEMM, not counted).
 Memory (--pass bwd): saved_bytes_per_token = what the forward keeps for the backward (mok: the
 KernelContext's tensors; alltoall: the growth of allocated memory across the forward, minus its
@@ -75,7 +78,7 @@ from megatron_mok.shapes import MOE_SHAPES  # noqa: E402
 # model: (experts, hidden H, expert I, top-k); one shared expert with Is = I (docs: DESIGN.md)
 SHAPES = {name: (s.num_experts, s.hidden, s.ffn, s.topk) for name, s in MOE_SHAPES.items()}
 BACKENDS = ("mok", "mok_staged", "mok_recompute", "mok_ab", "alltoall", "symm_a2a")
-BWD_BACKENDS = ("mok", "mok_recompute", "mok_ab", "alltoall")
+BWD_BACKENDS = ("mok", "mok_recompute", "mok_ab", "alltoall", "symm_a2a")
 AB_ENV = ("MOK_GEMM_PAIRED", "0")  # --ab-env
 
 
@@ -209,8 +212,25 @@ def parse_env_backend(be: str) -> tuple[str, str]:
     return name, value
 
 
+def busy_time(spans: list[tuple[float, float]]) -> tuple[float, float]:
+    """(time covered by at least one of the [start, end) spans, first start to last end)."""
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(spans):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    return busy, (max(e for _, e in spans) - min(s for s, _ in spans)) if spans else 0.0
+
+
 def kernel_times(step, iters: int = 5, top: int = 12) -> dict:
-    """GPU time per iteration by kernel (the `top` largest) and by category, rank 0's view."""
+    """GPU time per iteration by kernel (the `top` largest) and by category, rank 0's view.
+    busy_ms: time with at least one kernel running (kernels of two streams overlap: busy < the sum);
+    idle_ms: from the first kernel's start to the last one's end, the time with none running."""
     from torch.profiler import ProfilerActivity, profile
 
     from trace_summary import categorize
@@ -222,15 +242,19 @@ def kernel_times(step, iters: int = 5, top: int = 12) -> dict:
             step()
         torch.cuda.synchronize()
     by_name: dict[str, float] = {}
+    spans = []
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
             by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time_total / 1e3 / iters
+            spans.append((e.time_range.start, e.time_range.end))
+    busy_us, span_us = busy_time(spans)
     by_cat: dict[str, float] = {}
     for name, ms in by_name.items():
         cat = categorize(name)
         by_cat[cat] = by_cat.get(cat, 0.0) + ms
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1])
     return {"ms_per_iter": round(sum(by_name.values()), 4),
+            "busy_ms": round(busy_us / 1e3 / iters, 4), "idle_ms": round((span_us - busy_us) / 1e3 / iters, 4),
             "by_category": {k: round(v, 4) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
             "top": [{"name": n[:120], "ms": round(ms, 4)} for n, ms in ranked[:top]]}
 
@@ -333,7 +357,7 @@ class _SymmA2A:
     MAX_SPLITS = 16
     ID_COLS = 8  # the id column, padded so that a row stays a multiple of 16 bytes
 
-    def __init__(self, c, dev):
+    def __init__(self, c, dev, backward: bool = False):
         import torch.distributed._symmetric_memory as symm_mem
 
         ep = dist.get_world_size()
@@ -355,11 +379,19 @@ class _SymmA2A:
         self.in_splits = symm_mem.empty(n, dtype=torch.int64, device=dev)
         self.out_so = symm_mem.empty(2, n, dtype=torch.int64, device=dev)
         self.back_so = symm_mem.empty(2, n, dtype=torch.int64, device=dev)
-        for t in (self.inp, self.out, self.y, self.back, self.in_splits, self.out_so, self.back_so):
+        bufs = [self.inp, self.out, self.y, self.back, self.in_splits, self.out_so, self.back_so]
+        if backward:  # the reverse exchanges of the backward: their own buffers and split tables
+            self.g_out = symm_mem.empty(self.cap_out, H, dtype=bf, device=dev)  # d(received rows)
+            self.g_in = symm_mem.empty(T * k, H, dtype=bf, device=dev)  # ... sent back to the sources
+            self.g_back = symm_mem.empty(T * k, H, dtype=bf, device=dev)  # d(returned rows)
+            self.g_y = symm_mem.empty(self.cap_out, H, dtype=bf, device=dev)  # ... sent to the experts
+            self.g_y_so = symm_mem.empty(2, n, dtype=torch.int64, device=dev)
+            self.g_in_so = symm_mem.empty(2, n, dtype=torch.int64, device=dev)
+            bufs += [self.g_out, self.g_in, self.g_back, self.g_y, self.g_y_so, self.g_in_so]
+        for t in bufs:
             symm_mem.rendezvous(t, dist.group.WORLD)
-        self.inp.zero_()
-        self.out.zero_()
-        self.y.zero_()
+        for t in bufs[:4] + bufs[7:11]:  # rows nobody writes (alignment gaps) stay finite zeros
+            t.zero_()
         torch.cuda.synchronize()
         dist.barrier()
 
@@ -377,9 +409,74 @@ def sort_rows_by_expert(id_col: torch.Tensor, nle: int) -> tuple[torch.Tensor, t
     return perm, torch.cumsum(counts[:nle], 0, dtype=torch.int32)
 
 
+class _SymmDispatch(torch.autograd.Function):
+    """Rows [T k, H] in (destination rank, expert group) order -> the rows every rank sends here
+    [cap_out, H] (all_to_all_vdev_2d; the id column rides along for the sort). Backward: the reverse
+    exchange (all_to_all_vdev_2d_offset with the forward's received splits/offsets)."""
+
+    @staticmethod
+    def forward(ctx, rows, bufs, ids, splits, nle):
+        H = rows.shape[1]
+        ctx.bufs = bufs
+        bufs.inp[:, :H] = rows
+        bufs.inp[:, H] = ids
+        bufs.in_splits.copy_(splits)
+        bufs.out[:, H].fill_(nle)  # rows no peer writes (alignment, unused) sort last
+        torch.ops.symm_mem.all_to_all_vdev_2d(bufs.inp, bufs.out, bufs.in_splits, bufs.out_so, bufs.group_name,
+                                              major_align=_SymmA2A.ALIGN)
+        return bufs.out[:, :H].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        b = ctx.bufs
+        b.g_out.copy_(grad)
+        torch.ops.symm_mem.all_to_all_vdev_2d_offset(b.g_out, b.g_in, b.out_so, b.g_in_so, b.group_name)
+        return b.g_in.clone(), None, None, None, None
+
+
+class _SymmCombine(torch.autograd.Function):
+    """Expert outputs [cap_out, H] in arrival order -> back to their source ranks [T k, H]
+    (all_to_all_vdev_2d_offset). Backward: the dispatch-direction exchange with the same splits,
+    which lands every row where the forward's dispatch put it."""
+
+    @staticmethod
+    def forward(ctx, y, bufs):
+        ctx.bufs = bufs
+        bufs.y.copy_(y)
+        torch.ops.symm_mem.all_to_all_vdev_2d_offset(bufs.y, bufs.back, bufs.out_so, bufs.back_so, bufs.group_name)
+        return bufs.back.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        b = ctx.bufs
+        b.g_back.copy_(grad)
+        torch.ops.symm_mem.all_to_all_vdev_2d(b.g_back, b.g_y, b.in_splits, b.g_y_so, b.group_name,
+                                              major_align=_SymmA2A.ALIGN)
+        return b.g_y.clone(), None
+
+
+class _GatherRows(torch.autograd.Function):
+    """src.index_select(0, idx) whose backward is a gather too: idx a permutation with inverse
+    `inv`, or (inv None) idx = token of each of the k rows, with `back` the row of each (token, slot):
+    d src[t] = sum over slots. index_select's own backward is an index_add (float atomics, and 11 ms
+    at DeepSeek-V3 T=4096), which would make this baseline look slower than it has to be."""
+
+    @staticmethod
+    def forward(ctx, src, idx, inv, back, k):
+        ctx.inv, ctx.back, ctx.k, ctx.n = inv, back, k, src.shape[0]
+        return src.index_select(0, idx)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.inv is not None:
+            return grad.index_select(0, ctx.inv), None, None, None, None
+        rows = grad.index_select(0, ctx.back).view(ctx.n, ctx.k, -1)
+        return rows.to(torch.promote_types(grad.dtype, torch.float32)).sum(1).to(grad.dtype), None, None, None, None
+
+
 def backend_symm_a2a(c, dev):
     log(f"symm_a2a: allocating NVSHMEM buffers (T={c['T']}, H={c['H']})", all_ranks=True)
-    bufs = _SymmA2A(c, dev)
+    bufs = _SymmA2A(c, dev, backward=PASS == "bwd")
     log(f"symm_a2a: buffers ready ({bufs.groups} splits per rank of {bufs.per_group} experts)", all_ranks=True)
     ep, T, H, k, nle, I = dist.get_world_size(), c["T"], c["H"], c["k"], c["nle"], c["I"]
     fc1t, fc2t = c["fc1"].transpose(1, 2), c["fc2"].transpose(1, 2)
@@ -416,7 +513,39 @@ def backend_symm_a2a(c, dev):
         routed = torch.bmm(probs_bf, slots).view(T, H)  # fp32 accumulation inside, one rounding
         return routed + shared_expert(c)
 
+    if PASS == "bwd":
+        return _symm_a2a_backward(c, dev, bufs, src_tok, ids, splits, back_order, arange_out)
     return step, None
+
+
+def _symm_a2a_backward(c, dev, bufs, src_tok, ids, splits, back_order, arange_out):
+    """The symm_a2a forward once, differentiable (the exchanges as autograd functions), and a step
+    that runs its backward, as the alltoall baseline does (retain_graph; returns dx)."""
+    T, H, k, nle, I = c["T"], c["H"], c["k"], c["nle"], c["I"]
+    leaves = {n: c[n].detach().clone().requires_grad_(True) for n in ("x", "probs", "fc1", "fc2", "sfc1", "sfc2")}
+    c = dict(c, **leaves)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(dev)
+    order = torch.argsort(back_order)  # row of the sent buffer -> slot
+    recv = _SymmDispatch.apply(_GatherRows.apply(c["x"], src_tok, None, back_order, k), bufs, ids, splits, nle)
+    with torch.no_grad():
+        perm, offs = sort_rows_by_expert(bufs.out[:, H], nle)
+        inv = torch.empty_like(perm).index_copy_(0, perm, arange_out)
+    h = torch._grouped_mm(_GatherRows.apply(recv, perm, inv, None, 0), c["fc1"].transpose(1, 2), offs=offs)
+    a = F.silu(h[:, :I]) * h[:, I:]
+    y = torch._grouped_mm(a, c["fc2"].transpose(1, 2), offs=offs)
+    back = _SymmCombine.apply(_GatherRows.apply(y, inv, perm, None, 0), bufs)
+    slots = _GatherRows.apply(back, back_order, order, None, 0).view(T, k, H)
+    out = torch.bmm(c["probs"].to(torch.bfloat16).view(T, 1, k), slots).view(T, H) + shared_expert(c)
+    torch.cuda.synchronize()
+    SAVED_BYTES["symm_a2a"] = torch.cuda.memory_allocated(dev) - before - out.numel() * out.element_size()
+    grad = _grad_out(c, dev)
+    inputs = [leaves[n] for n in ("x", "probs", "fc1", "fc2", "sfc1", "sfc2")]
+
+    def bwd_step():
+        return torch.autograd.grad(out, inputs, grad_outputs=grad, retain_graph=True)[0]
+
+    return bwd_step, None
 
 
 BACKEND_FNS = {"mok": backend_mok, "mok_staged": backend_mok_staged, "mok_recompute": backend_mok_recompute,
@@ -648,7 +777,8 @@ def run_cases(args, backends, dev) -> list[dict]:
                                tflops=flops / (med * 1e-3) / 1e12, status="ok")
                     if args.kernels:
                         row["kernels"] = kernel_times(step)
-                        log(f"  kernels ({be}, rank 0, ms per iteration): "
+                        log(f"  kernels ({be}, rank 0, ms per iteration): busy {row['kernels']['busy_ms']:.3f}, "
+                            f"idle {row['kernels']['idle_ms']:.3f}; "
                             + ", ".join(f"{k} {v:.3f}" for k, v in row["kernels"]["by_category"].items()))
                         for kern in row["kernels"]["top"]:
                             log(f"    {kern['ms']:8.3f}  {kern['name'][:100]}")
@@ -706,7 +836,7 @@ def run_symm_child(args, dev) -> list[dict]:
                MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), NVSHMEM_REMOTE_TRANSPORT="none",
                NVSHMEM_SYMMETRIC_SIZE=os.environ.get("NVSHMEM_SYMMETRIC_SIZE", "32G"), **NO_MULTICAST_ENV)
     cmd = [sys.executable, os.path.abspath(__file__), "--shape", args.shape, "--tokens", args.tokens,
-           "--backends", "symm_a2a", "--iters", str(args.iters), "--warmup", str(args.warmup), "--routing",
+           "--backends", "symm_a2a", "--pass", args.pass_, "--iters", str(args.iters), "--warmup", str(args.warmup), "--routing",
            args.routing, "--seed", str(args.seed), "--_child-out", out_path, "--skip-gate", "--tmp-dir", args.tmp_dir] + (["--kernels"] if args.kernels else [])
     try:
         proc = subprocess.run(cmd, env=env, timeout=args.child_timeout)
@@ -836,7 +966,8 @@ def main() -> None:
             command=os.environ.get("MOK_BENCH_CMD", " ".join([sys.executable] + sys.argv)),
             argv=sys.argv, torch=torch.__version__, cuda=torch.version.cuda, gpu=gpu, ep=ep, pass_=args.pass_,
             date=datetime.date.today().isoformat(), matmul_8192_tflops=roof, seconds=time.time() - t0,
-            env={k: os.environ.get(k) for k in (*NO_MULTICAST_ENV, "MOK_FORWARD", "MOK_BACKWARD", "MOK_GEMM_SKIP_PAD", "MOK_GEMM_PAIRED")},
+            env={k: os.environ.get(k) for k in (*NO_MULTICAST_ENV, "MOK_FORWARD", "MOK_BACKWARD", "MOK_GEMM_SKIP_PAD",
+                                                "MOK_GEMM_PAIRED", "MOK_BWD_OVERLAP")},
             results=sorted(old.values(), key=lambda r: (r["shape"], r["tokens"], r["backend"])))
         if os.environ.get("MOK_BENCH_NOTE"):
             doc["note"] = os.environ["MOK_BENCH_NOTE"]

@@ -30,3 +30,33 @@ def test_symm_a2a_sorts_received_rows_by_expert():
     ids = torch.arange(255, -1, -1).to(torch.bfloat16)
     perm, offs = bench.sort_rows_by_expert(ids, 256)
     assert perm.tolist() == list(range(255, -1, -1)) and offs.tolist() == list(range(1, 257))
+
+
+def test_busy_time_merges_overlapping_kernels():
+    bl = _bench()
+    # two streams overlap on [2, 3); a gap [5, 6)
+    assert bl.busy_time([(0.0, 3.0), (2.0, 5.0), (6.0, 7.0)]) == (6.0, 7.0)
+    assert bl.busy_time([(1.0, 2.0), (1.2, 1.5)]) == (1.0, 1.0)
+    assert bl.busy_time([]) == (0.0, 0.0)
+
+
+def test_symm_a2a_backward_gathers_match_index_select_autograd():
+    bl = _bench()
+    gen = torch.Generator().manual_seed(0)
+    T, k, H = 5, 3, 4
+    flat = torch.randint(0, 7, (T * k,), generator=gen)
+    order = torch.argsort(flat, stable=True)
+    back_order = torch.argsort(order)
+    x = torch.randn(T, H, generator=gen, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(T * k, H, generator=gen, dtype=torch.float64)
+    rows = bl._GatherRows.apply(x, order // k, None, back_order, k)
+    (got,) = torch.autograd.grad(rows, x, g)
+    (want,) = torch.autograd.grad(x.index_select(0, order // k), x, g)
+    assert torch.equal(rows, x.index_select(0, order // k))
+    assert torch.allclose(got, want, rtol=0, atol=1e-12)
+    perm = torch.randperm(T * k, generator=gen)
+    inv = torch.empty_like(perm).index_copy_(0, perm, torch.arange(T * k))
+    src = torch.randn(T * k, H, generator=gen, dtype=torch.float64, requires_grad=True)
+    (got,) = torch.autograd.grad(bl._GatherRows.apply(src, perm, inv, None, 0), src, g)
+    (want,) = torch.autograd.grad(src.index_select(0, perm), src, g)
+    assert torch.equal(got, want)

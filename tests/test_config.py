@@ -20,9 +20,9 @@ BAD_VALUES = [
         (24.0, "float"), ("24", "str"), (None, "None"), (True, "bool True"), (False, "bool False"),
         (0, "zero"), (-1, "negative"), (-ROW_ALIGN, "negative multiple of ROW_ALIGN"),
     )],
-    # comm SMs: out of [1, 64]
+    # comm SMs: out of [1, 64] (forward), [1, 132] (backward)
     ("fwd_comm_sms", 65, "above 64"), ("fwd_comm_sms", 10**9, "huge"),
-    ("bwd_comm_sms", 65, "above 64"), ("bwd_comm_sms", 1000, "huge"),
+    ("bwd_comm_sms", 133, "above 132"), ("bwd_comm_sms", 1000, "huge"),
     # row counts: not a multiple of ROW_ALIGN
     ("minibatch_rows", ROW_ALIGN - 1, "below ROW_ALIGN"), ("minibatch_rows", ROW_ALIGN + 1, "not aligned"),
     ("minibatch_rows", 1000, "not aligned"), ("minibatch_rows", 1, "one row"),
@@ -79,7 +79,7 @@ def test_defaults_are_valid():
 
 
 @pytest.mark.parametrize("changes", [
-    dict(fwd_comm_sms=1, bwd_comm_sms=64),
+    dict(fwd_comm_sms=1, bwd_comm_sms=132),
     dict(fwd_comm_sms=64, bwd_comm_sms=1),
     dict(minibatch_rows=ROW_ALIGN, macrobatch_rows=ROW_ALIGN),
     dict(minibatch_rows=3 * ROW_ALIGN, macrobatch_rows=9 * ROW_ALIGN),
