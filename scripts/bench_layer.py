@@ -693,14 +693,15 @@ def run_cases(args, backends, dev) -> list[dict]:
     rows = []
     shapes = list(SHAPES) if args.shape == "all" else args.shape.split(",")
     for shape in shapes:
-        gate = None
+        gate = gate_error = None
         if "mok" in backends and not args.skip_gate:
             try:
                 gate = mok_gate(shape, dev, args.seed)
                 log(f"[gate] {shape}: mok vs fp32 reference rel err {gate:.3e} ({'ok' if gate <= 1e-2 else 'FAIL'})")
             except Exception as exc:  # noqa: BLE001
                 gate = float("nan")
-                log(f"[gate] {shape}: ERROR {type(exc).__name__}: {exc}")
+                gate_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                log(f"[gate] {shape}: ERROR {gate_error}")
                 gc.collect()
                 torch.cuda.empty_cache()
         for T in [int(t) for t in args.tokens.split(",")]:
@@ -732,6 +733,8 @@ def run_cases(args, backends, dev) -> list[dict]:
                 try:
                     if be == "mok" and gate is not None:
                         row["gate_rel_err_vs_fp32_reference"] = gate
+                        if gate_error is not None:
+                            raise RuntimeError(f"the correctness gate could not run ({gate_error})")
                         if not gate <= 1e-2:
                             raise RuntimeError(f"correctness gate failed (rel err {gate})")
                     if "%" in be:  # mok with a kernel switch (same bits, checked)
