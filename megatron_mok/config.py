@@ -13,7 +13,7 @@ import math
 # A layout constant, not a knob: changing it would change the schedule, not the results.
 ROW_ALIGN = 128
 
-PRECISIONS = ("bf16", "fp8")
+PRECISIONS = ("bf16",)  # block-scaled e4m3 ("fp8") is planned, not implemented
 
 
 class MoKConfigError(ValueError):
@@ -28,10 +28,10 @@ class MoKConfig:
     bwd_comm_sms: SMs (4 CTAs each) of the backward's pull, push and row-gather kernels (1-132); the
         rest can run the shared expert's backward on its side stream meanwhile.
     minibatch_rows: routed rows per compute/communication overlap step (multiple of ROW_ALIGN).
-    macrobatch_rows: rows of the routed ring buffer (a multiple of minibatch_rows).
     capacity_factor: fraction of the worst case (every token of every rank routed here) that the
         routed-row buffer holds; 1.0 can never overflow. Overflow raises, it never drops tokens.
-    precision: "bf16" (supported) or "fp8" (block-scaled e4m3, not implemented yet).
+    precision: "bf16", the only one the kernels run; "fp8" (block-scaled e4m3) raises: not
+        implemented yet.
     peer_timeout_s: how long a device-side wait on a peer rank may spin before it reports a
         stalled peer instead of hanging.
     save_gate_up: keep the gate/up GEMM outputs for the backward (2 I bf16 per routed row, 2 Is
@@ -42,14 +42,13 @@ class MoKConfig:
     fwd_comm_sms: int = 24
     bwd_comm_sms: int = 28
     minibatch_rows: int = 4096
-    macrobatch_rows: int = 131072
     capacity_factor: float = 1.0
     precision: str = "bf16"
     peer_timeout_s: float = 30.0
     save_gate_up: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("fwd_comm_sms", "bwd_comm_sms", "minibatch_rows", "macrobatch_rows"):
+        for name in ("fwd_comm_sms", "bwd_comm_sms", "minibatch_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise MoKConfigError(f"MoKConfig.{name} must be an int, got {value!r}")
@@ -62,16 +61,14 @@ class MoKConfig:
                 f"MoKConfig.minibatch_rows must be a positive multiple of {ROW_ALIGN}, "
                 f"got {self.minibatch_rows}"
             )
-        if self.macrobatch_rows <= 0 or self.macrobatch_rows % self.minibatch_rows:
-            raise MoKConfigError(
-                "MoKConfig.macrobatch_rows must be a positive multiple of minibatch_rows "
-                f"({self.minibatch_rows}), got {self.macrobatch_rows}"
-            )
         cf = self.capacity_factor
         if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf):
             raise MoKConfigError(f"MoKConfig.capacity_factor must be a finite number, got {cf!r}")
         if not 0.0 < cf <= 1.0:
             raise MoKConfigError(f"MoKConfig.capacity_factor must be in (0, 1], got {cf}")
+        if self.precision == "fp8":
+            raise MoKConfigError("MoKConfig.precision 'fp8' (block-scaled e4m3) is not implemented yet; "
+                                 "the mok kernels run bf16 only")
         if self.precision not in PRECISIONS:
             raise MoKConfigError(
                 f"MoKConfig.precision must be one of {PRECISIONS}, got {self.precision!r}"

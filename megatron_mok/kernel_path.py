@@ -371,7 +371,8 @@ _SIDE_STREAMS: dict = {}
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     """One side stream per device for the backward's shared expert (created once, reused)."""
-    key = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+    key = torch.device(device).index
+    key = torch.cuda.current_device() if key is None else key
     if key not in _SIDE_STREAMS:
         _SIDE_STREAMS[key] = torch.cuda.Stream(device=key)
     return _SIDE_STREAMS[key]
@@ -425,8 +426,8 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     casts them to the weights' dtype anyway); with ``main_grads`` they are added into those fp32
     tensors and the matching fields are None. ``ctx``: the forward's ``KernelContext`` (None:
     recomputed here; a ``ReferenceContext``: the reference backward runs). ``comm_ctas``: CTAs of
-    the pull, push and gather kernels (0: ``4 * cfg.bwd_comm_sms``); it changes no bit. ``path`` (default ``MOK_BACKWARD``):
-    ``"cuda"`` or ``"reference"``.
+    the pull, push and gather kernels (0: ``4 * cfg.bwd_comm_sms``); it changes no bit. ``path``
+    (default ``MOK_BACKWARD``): ``"cuda"`` or ``"reference"``.
     """
     from .functional import MoKGrads
 

@@ -379,7 +379,8 @@ class _SymmA2A:
         self.in_splits = symm_mem.empty(n, dtype=torch.int64, device=dev)
         self.out_so = symm_mem.empty(2, n, dtype=torch.int64, device=dev)
         self.back_so = symm_mem.empty(2, n, dtype=torch.int64, device=dev)
-        bufs = [self.inp, self.out, self.y, self.back, self.in_splits, self.out_so, self.back_so]
+        rows = [self.inp, self.out, self.y, self.back]
+        tables = [self.in_splits, self.out_so, self.back_so]
         if backward:  # the reverse exchanges of the backward: their own buffers and split tables
             self.g_out = symm_mem.empty(self.cap_out, H, dtype=bf, device=dev)  # d(received rows)
             self.g_in = symm_mem.empty(T * k, H, dtype=bf, device=dev)  # ... sent back to the sources
@@ -387,13 +388,27 @@ class _SymmA2A:
             self.g_y = symm_mem.empty(self.cap_out, H, dtype=bf, device=dev)  # ... sent to the experts
             self.g_y_so = symm_mem.empty(2, n, dtype=torch.int64, device=dev)
             self.g_in_so = symm_mem.empty(2, n, dtype=torch.int64, device=dev)
-            bufs += [self.g_out, self.g_in, self.g_back, self.g_y, self.g_y_so, self.g_in_so]
-        for t in bufs:
+            rows += [self.g_out, self.g_in, self.g_back, self.g_y]
+            tables += [self.g_y_so, self.g_in_so]
+        for t in rows + tables:
             symm_mem.rendezvous(t, dist.group.WORLD)
-        for t in bufs[:4] + bufs[7:11]:  # rows nobody writes (alignment gaps) stay finite zeros
+        for t in rows:  # rows nobody writes (alignment gaps) stay finite zeros
             t.zero_()
         torch.cuda.synchronize()
         dist.barrier()
+
+    def dispatch(self, ids, splits, nle):
+        """inp[:, :H] (filled by the caller) plus the id column -> out, by (rank, expert group) splits."""
+        H = self.out.shape[1] - self.ID_COLS
+        self.inp[:, H] = ids
+        self.in_splits.copy_(splits)
+        self.out[:, H].fill_(nle)  # rows no peer writes (alignment, unused) sort last
+        torch.ops.symm_mem.all_to_all_vdev_2d(self.inp, self.out, self.in_splits, self.out_so, self.group_name,
+                                              major_align=self.ALIGN)
+
+    def combine(self):
+        """y (arrival order) -> back, each row to the slot of its source rank it came from."""
+        torch.ops.symm_mem.all_to_all_vdev_2d_offset(self.y, self.back, self.out_so, self.back_so, self.group_name)
 
 
 def sort_rows_by_expert(id_col: torch.Tensor, nle: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -419,11 +434,7 @@ class _SymmDispatch(torch.autograd.Function):
         H = rows.shape[1]
         ctx.bufs = bufs
         bufs.inp[:, :H] = rows
-        bufs.inp[:, H] = ids
-        bufs.in_splits.copy_(splits)
-        bufs.out[:, H].fill_(nle)  # rows no peer writes (alignment, unused) sort last
-        torch.ops.symm_mem.all_to_all_vdev_2d(bufs.inp, bufs.out, bufs.in_splits, bufs.out_so, bufs.group_name,
-                                              major_align=_SymmA2A.ALIGN)
+        bufs.dispatch(ids, splits, nle)
         return bufs.out[:, :H].clone()
 
     @staticmethod
@@ -443,7 +454,7 @@ class _SymmCombine(torch.autograd.Function):
     def forward(ctx, y, bufs):
         ctx.bufs = bufs
         bufs.y.copy_(y)
-        torch.ops.symm_mem.all_to_all_vdev_2d_offset(bufs.y, bufs.back, bufs.out_so, bufs.back_so, bufs.group_name)
+        bufs.combine()
         return bufs.back.clone()
 
     @staticmethod
@@ -488,18 +499,16 @@ def backend_symm_a2a(c, dev):
     splits.index_add_(0, (flat // nle) * bufs.groups + (flat % nle) // bufs.per_group, torch.ones_like(flat))
     ids = (flat[order] % nle).to(torch.bfloat16)
     back_order = torch.argsort(order)  # slot -> row of the returned buffer
+    arange_out = torch.arange(bufs.cap_out, dtype=torch.int64, device=dev)
+    if PASS == "bwd":
+        return _symm_a2a_backward(c, dev, bufs, order, ids, splits, back_order, arange_out)
     probs_bf = c["probs"].to(torch.bfloat16).view(T, 1, k)
     x_ext = torch.zeros(T, H + _SymmA2A.ID_COLS, dtype=torch.bfloat16, device=dev)
-    arange_out = torch.arange(bufs.cap_out, dtype=torch.int64, device=dev)
 
     def step():
         x_ext[:, :H] = c["x"]  # rows with room for the id column: one contiguous gather below
         torch.index_select(x_ext, 0, src_tok, out=bufs.inp)
-        bufs.inp[:, H] = ids
-        bufs.in_splits.copy_(splits)
-        bufs.out[:, H].fill_(nle)  # rows no peer writes (alignment, unused) sort last
-        torch.ops.symm_mem.all_to_all_vdev_2d(bufs.inp, bufs.out, bufs.in_splits, bufs.out_so, bufs.group_name,
-                                              major_align=_SymmA2A.ALIGN)
+        bufs.dispatch(ids, splits, nle)
         # rows of one expert group arrive per source rank; sort them by expert (on the device)
         perm, offs = sort_rows_by_expert(bufs.out[:, H], nle)
         a_in = bufs.out[:, :H].index_select(0, perm)
@@ -508,17 +517,15 @@ def backend_symm_a2a(c, dev):
         y = torch._grouped_mm(a, fc2t, offs=offs)
         inv = torch.empty_like(perm).index_copy_(0, perm, arange_out)
         torch.index_select(y, 0, inv, out=bufs.y)  # back to the arrival order (a gather)
-        torch.ops.symm_mem.all_to_all_vdev_2d_offset(bufs.y, bufs.back, bufs.out_so, bufs.back_so, bufs.group_name)
+        bufs.combine()
         slots = bufs.back.index_select(0, back_order).view(T, k, H)
         routed = torch.bmm(probs_bf, slots).view(T, H)  # fp32 accumulation inside, one rounding
         return routed + shared_expert(c)
 
-    if PASS == "bwd":
-        return _symm_a2a_backward(c, dev, bufs, src_tok, ids, splits, back_order, arange_out)
     return step, None
 
 
-def _symm_a2a_backward(c, dev, bufs, src_tok, ids, splits, back_order, arange_out):
+def _symm_a2a_backward(c, dev, bufs, order, ids, splits, back_order, arange_out):
     """The symm_a2a forward once, differentiable (the exchanges as autograd functions), and a step
     that runs its backward, as the alltoall baseline does (retain_graph; returns dx)."""
     T, H, k, nle, I = c["T"], c["H"], c["k"], c["nle"], c["I"]
@@ -526,8 +533,7 @@ def _symm_a2a_backward(c, dev, bufs, src_tok, ids, splits, back_order, arange_ou
     c = dict(c, **leaves)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated(dev)
-    order = torch.argsort(back_order)  # row of the sent buffer -> slot
-    recv = _SymmDispatch.apply(_GatherRows.apply(c["x"], src_tok, None, back_order, k), bufs, ids, splits, nle)
+    recv = _SymmDispatch.apply(_GatherRows.apply(c["x"], order // k, None, back_order, k), bufs, ids, splits, nle)
     with torch.no_grad():
         perm, offs = sort_rows_by_expert(bufs.out[:, H], nle)
         inv = torch.empty_like(perm).index_copy_(0, perm, arange_out)

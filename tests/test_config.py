@@ -11,7 +11,7 @@ import pytest
 from megatron_mok import ROW_ALIGN, MoKConfig, MoKConfigError
 from megatron_mok.config import PRECISIONS, routed_capacity
 
-INT_FIELDS = ("fwd_comm_sms", "bwd_comm_sms", "minibatch_rows", "macrobatch_rows")
+INT_FIELDS = ("fwd_comm_sms", "bwd_comm_sms", "minibatch_rows")
 
 # (field, bad value, why): every entry must raise MoKConfigError naming the field.
 BAD_VALUES = [
@@ -26,9 +26,6 @@ BAD_VALUES = [
     # row counts: not a multiple of ROW_ALIGN
     ("minibatch_rows", ROW_ALIGN - 1, "below ROW_ALIGN"), ("minibatch_rows", ROW_ALIGN + 1, "not aligned"),
     ("minibatch_rows", 1000, "not aligned"), ("minibatch_rows", 1, "one row"),
-    ("macrobatch_rows", ROW_ALIGN + 64, "not a multiple of minibatch_rows"),
-    ("macrobatch_rows", 4096 + ROW_ALIGN, "not a multiple of minibatch_rows (4096)"),
-    ("macrobatch_rows", 2048, "smaller than minibatch_rows (4096)"),
     # capacity_factor: non-finite, zero, negative, above 1, non-numbers
     ("capacity_factor", float("nan"), "NaN"), ("capacity_factor", float("inf"), "inf"),
     ("capacity_factor", float("-inf"), "-inf"), ("capacity_factor", 0.0, "zero"), ("capacity_factor", 0, "int zero"),
@@ -38,6 +35,7 @@ BAD_VALUES = [
     # precision: unknown names and non-strings
     ("precision", "fp16", "unknown"), ("precision", "BF16", "wrong case"), ("precision", "fp32", "unknown"),
     ("precision", "", "empty"), ("precision", None, "None"), ("precision", 16, "int"),
+    ("precision", "fp8", "not implemented yet"),
     # peer_timeout_s: zero, negative, non-finite, non-numbers
     ("peer_timeout_s", 0, "zero"), ("peer_timeout_s", 0.0, "zero float"), ("peer_timeout_s", -1.0, "negative"),
     ("peer_timeout_s", float("inf"), "inf"), ("peer_timeout_s", float("nan"), "NaN"),
@@ -59,21 +57,13 @@ def test_invalid_field_raises_naming_it(field, value, why):
         MoKConfig().replace(**{field: value})
 
 
-def test_macrobatch_checked_against_a_custom_minibatch():
-    MoKConfig(minibatch_rows=256, macrobatch_rows=768)
-    with pytest.raises(MoKConfigError, match="macrobatch_rows"):
-        MoKConfig(minibatch_rows=256, macrobatch_rows=640)  # multiple of ROW_ALIGN, not of 256
-    with pytest.raises(MoKConfigError, match="macrobatch_rows"):
-        MoKConfig(minibatch_rows=256, macrobatch_rows=128)
-
-
 def test_defaults_are_valid():
     cfg = MoKConfig()
     assert cfg.fwd_comm_sms == 24 and cfg.bwd_comm_sms == 28
-    assert cfg.minibatch_rows == 4096 and cfg.macrobatch_rows == 131072
+    assert cfg.minibatch_rows == 4096
     assert cfg.capacity_factor == 1.0 and cfg.precision == "bf16" and cfg.peer_timeout_s == 30.0
     assert cfg.save_gate_up is True
-    assert cfg.minibatch_rows % ROW_ALIGN == 0 and cfg.macrobatch_rows % cfg.minibatch_rows == 0
+    assert cfg.minibatch_rows % ROW_ALIGN == 0
     assert cfg.precision in PRECISIONS
     assert ROW_ALIGN == 128
 
@@ -81,10 +71,9 @@ def test_defaults_are_valid():
 @pytest.mark.parametrize("changes", [
     dict(fwd_comm_sms=1, bwd_comm_sms=132),
     dict(fwd_comm_sms=64, bwd_comm_sms=1),
-    dict(minibatch_rows=ROW_ALIGN, macrobatch_rows=ROW_ALIGN),
-    dict(minibatch_rows=3 * ROW_ALIGN, macrobatch_rows=9 * ROW_ALIGN),
+    dict(minibatch_rows=ROW_ALIGN),
+    dict(minibatch_rows=3 * ROW_ALIGN),
     dict(capacity_factor=1), dict(capacity_factor=1e-6), dict(capacity_factor=0.5),
-    dict(precision="fp8"),
     dict(peer_timeout_s=1), dict(peer_timeout_s=1e-3), dict(peer_timeout_s=1e9),
     dict(save_gate_up=False),
 ], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))

@@ -66,3 +66,15 @@ def test_recompute_gate_up_flag_sets_the_knob(monkeypatch):
     assert mok_config_from_args(parse_args(add_mok_args)).save_gate_up is True
     monkeypatch.setattr(sys, "argv", ["pretrain", *base, "--moe-backend", "mok", "--mok-recompute-gate-up"])
     assert mok_config_from_args(parse_args(add_mok_args)).save_gate_up is False
+
+
+def test_fp8_flags_stop_mok_with_a_message(monkeypatch):
+    from megatron.training.arguments import parse_args
+
+    from megatron_mok import MoKConfigError
+    from megatron_mok.adapter.backends import add_mok_args, mok_config_from_args
+
+    base = (CONFIGS / "deepseek-v3-tiny.args").read_text().split()
+    monkeypatch.setattr(sys, "argv", ["pretrain", *base, "--moe-backend", "mok", "--fp8-format", "e4m3"])
+    with pytest.raises(MoKConfigError, match=r"--fp8-format e4m3: --moe-backend mok runs bf16 only"):
+        mok_config_from_args(parse_args(add_mok_args))

@@ -488,8 +488,8 @@ def check_determinism(rank=0, world=1):
     base_cfg = MoKConfig()
     knob_cfgs = [
         MoKConfig(fwd_comm_sms=1, bwd_comm_sms=64),
-        MoKConfig(fwd_comm_sms=64, bwd_comm_sms=1, minibatch_rows=ROW_ALIGN, macrobatch_rows=ROW_ALIGN),
-        MoKConfig(minibatch_rows=3 * ROW_ALIGN, macrobatch_rows=12 * ROW_ALIGN),
+        MoKConfig(fwd_comm_sms=64, bwd_comm_sms=1, minibatch_rows=ROW_ALIGN),
+        MoKConfig(minibatch_rows=3 * ROW_ALIGN),
         MoKConfig(precision="bf16", peer_timeout_s=1.0),
     ]
     problems = [("random_k2", make_problem(51, world, route_random, 2)),

@@ -55,8 +55,6 @@ def add_mok_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="SMs (4 CTAs each) of the backward's pull, push and row-gather kernels")
     group.add_argument("--mok-minibatch-rows", type=int, default=defaults.minibatch_rows,
                        help="routed rows per communication/compute overlap step")
-    group.add_argument("--mok-macrobatch-rows", type=int, default=defaults.macrobatch_rows,
-                       help="rows of the routed ring buffer")
     group.add_argument("--mok-capacity-factor", type=float, default=defaults.capacity_factor,
                        help="fraction of the worst case the routed buffer holds (1.0 never overflows)")
     group.add_argument("--mok-peer-timeout-s", type=float, default=defaults.peer_timeout_s,
@@ -71,7 +69,6 @@ _ARG_TO_FIELD = {
     "mok_fwd_comm_sms": "fwd_comm_sms",
     "mok_bwd_comm_sms": "bwd_comm_sms",
     "mok_minibatch_rows": "minibatch_rows",
-    "mok_macrobatch_rows": "macrobatch_rows",
     "mok_capacity_factor": "capacity_factor",
     "mok_peer_timeout_s": "peer_timeout_s",
 }
@@ -81,9 +78,11 @@ def mok_config_from_args(args) -> MoKConfig:
     values = {field: getattr(args, arg) for arg, field in _ARG_TO_FIELD.items() if hasattr(args, arg)}
     if getattr(args, "mok_recompute_gate_up", False):
         values["save_gate_up"] = False
-    precision = "fp8" if getattr(args, "fp8", None) else "bf16"
+    if getattr(args, "fp8", None):
+        raise MoKConfigError(f"--fp8-format {args.fp8}: --moe-backend mok runs bf16 only (block-scaled e4m3 is "
+                             "not implemented yet); drop the fp8 flags or choose --moe-backend alltoall")
     try:
-        return MoKConfig(precision=precision, **values)
+        return MoKConfig(**values)
     except MoKConfigError as err:
         flag = next((f"--{a.replace('_', '-')}" for a, f in _ARG_TO_FIELD.items() if f"MoKConfig.{f} " in str(err)), None)
         raise MoKConfigError(f"{flag}: {err}" if flag else str(err)) from None

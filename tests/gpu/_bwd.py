@@ -127,7 +127,7 @@ def check_backward_bitwise_repeats(ws, top, w, g, comm_ctas: list, reps: int = 2
     the first run's."""
     kp = kernel_path_module()
     overlap_before = os.environ.get("MOK_BWD_OVERLAP")
-    cfgs = [MoKConfig(), MoKConfig(bwd_comm_sms=1, fwd_comm_sms=2, minibatch_rows=128, macrobatch_rows=1024),
+    cfgs = [MoKConfig(), MoKConfig(bwd_comm_sms=1, fwd_comm_sms=2, minibatch_rows=128),
             MoKConfig(bwd_comm_sms=64, minibatch_rows=256)]
     base = None
     for rep in range(reps):

@@ -247,7 +247,7 @@ def test_megakernel_bits_independent_of_comm_sms_and_minibatch():
     _assert_same_bits(base, rows)
     for comm in (2, 8, 24, 40):
         for mb in (128, 256, 1024, 4096):
-            cfg = MoKConfig(fwd_comm_sms=comm, minibatch_rows=mb, macrobatch_rows=max(mb, 4096))
+            cfg = MoKConfig(fwd_comm_sms=comm, minibatch_rows=mb)
             for knobs in ({}, {"gemm_ctas": 3}):
                 poison_internal(ws)
                 out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=DEV)
@@ -291,8 +291,8 @@ def test_launch_counts():
 
 
 def test_forward_bitwise_repeat_and_knobs():
-    cfgs = (MoKConfig(), MoKConfig(fwd_comm_sms=2, minibatch_rows=128, macrobatch_rows=1024),
-            MoKConfig(fwd_comm_sms=64, minibatch_rows=1024, macrobatch_rows=4096))
+    cfgs = (MoKConfig(), MoKConfig(fwd_comm_sms=2, minibatch_rows=128),
+            MoKConfig(fwd_comm_sms=64, minibatch_rows=1024))
     check_forward_bitwise_repeats((512, 512, 256, 256, 16, 4), cfgs, seed=11, dev=DEV)
 
 

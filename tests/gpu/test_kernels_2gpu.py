@@ -58,7 +58,7 @@ def _suite(rank: int, world: int) -> list[str]:
         check(f"forward_vs_reference[{kind}-{shape}]", lambda kind=kind, shape=shape: forward_vs_reference(kind, shape))
 
     def bitwise_20_and_knobs():
-        cfgs = (MoKConfig(), MoKConfig(fwd_comm_sms=2, minibatch_rows=128, macrobatch_rows=1024))
+        cfgs = (MoKConfig(), MoKConfig(fwd_comm_sms=2, minibatch_rows=128))
         check_forward_bitwise_repeats((512, 512, 256, 256, 16, 4), cfgs, seed=77 + rank, dev=dev, world=world)
 
     check("bitwise_20_repeats_and_knobs", bitwise_20_and_knobs)
@@ -72,7 +72,7 @@ def _suite(rank: int, world: int) -> list[str]:
         base = base.clone()
         for comm in (2, 8, 24, 40):
             for mb in (128, 256, 1024, 4096):
-                cfg = MoKConfig(fwd_comm_sms=comm, minibatch_rows=mb, macrobatch_rows=max(mb, 4096))
+                cfg = MoKConfig(fwd_comm_sms=comm, minibatch_rows=mb)
                 poison_internal(ws)
                 out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=dev)
                 out, ctx = kp.forward(cfg, ws, sched, x, probs, fc1, fc2, sfc1, sfc2, out=out, path="mega")
