@@ -361,8 +361,8 @@ def _recompute_gate_up(a: torch.Tensor, fc1: torch.Tensor, sched: MoKSchedule | 
 
 
 def _bwd_overlap_enabled() -> bool:
-    """MOK_BWD_OVERLAP=0 runs the backward's off-critical-path work (row gathers, shared expert) on
-    the caller's stream (same bits; read per call, so a benchmark can A/B it)."""
+    """MOK_BWD_OVERLAP=0 runs the shared expert's backward on the caller's stream (same bits; read per
+    call, so a benchmark can A/B it)."""
     return os.environ.get("MOK_BWD_OVERLAP", "1") != "0"
 
 
@@ -370,7 +370,7 @@ _SIDE_STREAMS: dict = {}
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device for the backward's off-critical-path work (created once, reused)."""
+    """One side stream per device for the backward's shared expert (created once, reused)."""
     key = torch.device(device).index
     key = torch.cuda.current_device() if key is None else key
     if key not in _SIDE_STREAMS:
@@ -406,9 +406,8 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
        ``bwd_pull``: every routed row pulls its grad_out row and router weight from the source rank,
        ``dy = w * g`` (bf16, tight rows), and pushes ``<g, y_routed>`` (the router-weight gradient,
        fp32, fixed order) into the source's symmetric ``[T * k]`` buffer;
-    3. off the critical path: ``act`` and ``x_routed`` gathered into the tight layout, and the shared
-       expert's backward (cuBLAS, bf16 in, fp32 accumulate), on a side stream launched after the
-       pull and joined before step 5 (``MOK_BWD_OVERLAP=0``: on the caller's stream after step 4);
+    3. shared expert (cuBLAS, bf16 in, fp32 accumulate): on a side stream launched after the pull,
+       joined before step 6 (``MOK_BWD_OVERLAP=0``: on the caller's stream after step 4);
     4. routed dgrad, the critical path to the push: ``h = x_routed @ fc1[e]^T`` from the context (or,
        when the forward did not keep it, recomputed by the forward's SwiGLU GEMM: the same bits),
        ``da = dy @ fc2[e]``, ``dh = swiglu_backward(h, da)``, ``dx_rows = dh @ fc1[e]``
@@ -416,7 +415,8 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
        rows; tight padding rows are zero so they add nothing); ``bwd_push``: dx rows into the
        source ranks' symmetric ``[T * k, H]`` slots, opening the closing barrier;
     5. routed wgrad while the peers finish pushing: ``dfc2[e] = dy^T @ act``,
-       ``dfc1[e] = dh^T @ x_routed``; experts without rows get exact zeros (``zero_empty_segments``);
+       ``dfc1[e] = dh^T @ x_routed`` (``act`` and ``x_routed`` gathered into the tight layout first);
+       experts without rows get exact zeros (``zero_empty_segments``);
     6. ``bwd_epilogue_wait``: closes the barrier, ``dx[t] = sum_s slot[t, s]`` in slot order in fp32
        ``+`` shared dx, cast once; ``dprobs`` copied out of the symmetric buffer.
 
@@ -468,24 +468,13 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     ops.bwd_pull(sched.row_src_rank, sched.row_src_slot, toffs, ctx.y_routed, dy, g_ptrs, p_ptrs, dw_ptrs, k,
                  comm_ctas, trow=trow)
 
-    # 3. work that needs neither dy nor the routed dgrad: act and x_routed gathered into the tight
-    # layout (for the weight gradients) and the shared expert's backward. With MOK_BWD_OVERLAP (default
-    # on) it runs on a side stream launched after the pull, which holds only bwd_comm_sms SMs.
-    main = torch.cuda.current_stream(ws.device)
-
-    def side_work():
-        act_t = torch.empty((cap, I), **bf16)
-        ops.gather_rows(ctx.act, act_t, trow, toffs, comm_ctas)
-        x_t = torch.empty((cap, H), **bf16)
-        ops.gather_rows(ctx.x_routed, x_t, trow, toffs, comm_ctas)
-        shared = (None,) * 3 if shared_fc1 is None else _shared_backward(ctx, g, x, shared_fc1, shared_fc2)
-        return act_t, x_t, shared
-
-    side = _side_stream(ws.device) if _bwd_overlap_enabled() else None
+    # 3. the shared expert needs only g: with MOK_BWD_OVERLAP (default on) it runs on a side stream
+    # launched after the pull, filling the SMs the NVLink-bound pull and the routed chain leave idle
+    side = _side_stream(ws.device) if shared_fc1 is not None and _bwd_overlap_enabled() else None
     if side is not None:
-        side.wait_stream(main)
+        side.wait_stream(torch.cuda.current_stream(ws.device))
         with torch.cuda.stream(side):
-            act_t, x_t, shared = side_work()
+            shared = _shared_backward(ctx, g, x, shared_fc1, shared_fc2)
 
     # 4. routed dgrad first (the critical path to the push): h = x_routed @ fc1[e]^T from the context
     # (or recomputed by the forward's SwiGLU GEMM: the same bits), da = dy @ fc2[e],
@@ -500,25 +489,32 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     dx_rows = torch._grouped_mm(dh, fc1, offs=offs)  # [cap, H]
 
     # push dx rows into the source ranks' slots (opens the closing barrier); 5. the weight gradients
-    # then run while the peers finish pushing: dfc2[e] = dy^T @ act, dfc1[e] = dh^T @ x_routed;
-    # experts without rows get exact zeros
+    # then run while the peers finish pushing: dfc2[e] = dy^T @ act, dfc1[e] = dh^T @ x_routed
+    # (act and x_routed gathered into the tight layout); experts without rows get exact zeros
     ops.bwd_push(dx_rows, sched.row_src_rank, sched.row_src_slot, toffs, c.state, slot_ptrs, c.flag_ptrs, ws.rank,
                  comm_ctas, trow=trow)
     del dx_rows
-    if side is None:
-        act_t, x_t, shared = side_work()
-    else:  # join; the side stream's results are used on this stream from here on
-        main.wait_stream(side)
-        for t in (act_t, x_t, *shared):
-            if t is not None:
-                t.record_stream(main)
+    if shared_fc1 is not None and side is None:
+        shared = _shared_backward(ctx, g, x, shared_fc1, shared_fc2)
+    act_t = torch.empty((cap, I), **bf16)
+    ops.gather_rows(ctx.act, act_t, trow, toffs, comm_ctas)
     dfc2 = torch._grouped_mm(dy.t(), act_t, offs=offs)  # [nle, H, I]
     del act_t, dy
     ops.zero_empty_segments(dfc2, sched.expert_counts)
+    x_t = torch.empty((cap, H), **bf16)
+    ops.gather_rows(ctx.x_routed, x_t, trow, toffs, comm_ctas)
     dfc1 = torch._grouped_mm(dh.t(), x_t, offs=offs)  # [nle, 2I, H]
     del x_t, dh
     ops.zero_empty_segments(dfc1, sched.expert_counts)
-    dsfc1, dsfc2, shared_dx = shared
+
+    dsfc1 = dsfc2 = shared_dx = None
+    if shared_fc1 is not None:
+        if side is not None:  # join; the side stream's results are used on this stream from here on
+            main = torch.cuda.current_stream(ws.device)
+            main.wait_stream(side)
+            for t in shared:
+                t.record_stream(main)
+        dsfc1, dsfc2, shared_dx = shared
 
     # 6. close the barrier; fixed-order slot sum + shared dx; dprobs out of the symmetric buffer
     dx = torch.empty((T, H), **bf16)
