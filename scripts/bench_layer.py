@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""One MoE layer forward: mok vs NCCL+PyTorch (Megatron's alltoall dispatcher) vs torch symm-mem a2a.
+"""One MoE layer, forward or backward: mok vs NCCL+PyTorch (Megatron's alltoall dispatcher) vs
+torch symm-mem a2a.
 
 Launch with torchrun, one process per GPU; EP = world size (1 works without torchrun):
 

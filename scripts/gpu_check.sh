@@ -3,8 +3,8 @@
 # and the layer benchmark; full logs under $OUT (or ./gpu_check_out), a short summary at the end.
 #
 #   STAGES   space list of build test1 test2 bench benchbwd bench1 e2e profile (default: build test1 test2 bench)
-#   BENCH_ARGS  arguments of scripts/bench_layer.py (default: the full forward matrix; symm_a2a is
-#               left out: torch 2.11 cannot run it with > 16 local experts, see docs/KERNELS.md)
+#   BENCH_ARGS  arguments of scripts/bench_layer.py (default: the full forward matrix without
+#               symm_a2a, which runs in NVSHMEM child processes per rank; add it to compare)
 #   BWD_BENCH_ARGS  arguments of the benchwd stage (default: DeepSeek-V3, T=4096, mok,
 #               mok_recompute, alltoall, --pass bwd)
 #   MOK_BENCH_NOTE  note stored in the benchmark JSON
