@@ -253,6 +253,16 @@ __device__ __forceinline__ void tma_load_2d(void* smem_dst, const CUtensorMap* m
       : "memory");
 }
 
+// 4D tiled load of box {c0 (inner), c1, c2, c3} (the expert GEMM's interleaved gate/up weights).
+__device__ __forceinline__ void tma_load_4d(void* smem_dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
+                                            int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, "
+      "%5}], [%6];" ::"r"(smem_u32(smem_dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(bar))
+      : "memory");
+}
+
 // Cluster multicast (on-chip, SM to SM inside a thread-block cluster; not NVLink multicast): the
 // box lands at the same shared-memory offset in every CTA of cta_mask and completes `bar` (same
 // offset) in each of them.
@@ -388,34 +398,61 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_
 
 // ---- host helpers ---------------------------------------------------------------------------
 
-// Encode a 2D bf16 tensor map: `rows` x `cols` (cols contiguous, row pitch `ld` elements), box
-// {64 cols, box_rows rows}, 128-byte swizzle, out-of-bounds elements read as zero.
-// Returns nullptr on success, else a message.
-inline const char* make_tmap_bf16_2d(CUtensorMap* map, const void* base, uint64_t rows, uint64_t cols,
-                                     uint64_t ld, uint32_t box_rows) {
-  using EncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-  static EncodeFn encode = nullptr;
+using TmapEncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                  const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                  CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// cuTensorMapEncodeTiled from the driver (no -lcuda symbol needed at run time), or nullptr.
+inline TmapEncodeFn tmap_encoder() {
+  static TmapEncodeFn encode = nullptr;
   if (encode == nullptr) {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult qres;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &qres) !=
-            cudaSuccess ||
-        qres != cudaDriverEntryPointSuccess || fn == nullptr)
-      return "mok: cannot load cuTensorMapEncodeTiled from the CUDA driver";
-    encode = reinterpret_cast<EncodeFn>(fn);
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &qres) ==
+            cudaSuccess &&
+        qres == cudaDriverEntryPointSuccess)
+      encode = reinterpret_cast<TmapEncodeFn>(fn);
   }
-  if ((reinterpret_cast<uintptr_t>(base) & 15) || (ld * 2) % 16)
-    return "mok: TMA operands need 16-byte aligned rows (row length a multiple of 8 bf16)";
-  cuuint64_t dims[2] = {cols, rows};
-  cuuint64_t strides[1] = {ld * 2};
-  cuuint32_t box[2] = {64, box_rows};
-  cuuint32_t estr[2] = {1, 1};
-  CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box, estr,
+  return encode;
+}
+
+// A bf16 tensor map of `rank` dims (dims[0] contiguous; byte strides of dims 1.. in strides), box
+// `box`, 128-byte swizzle, out-of-bounds elements read as zero.
+inline const char* encode_tmap_bf16(CUtensorMap* map, const void* base, cuuint32_t rank, const cuuint64_t* dims,
+                                    const cuuint64_t* strides, const cuuint32_t* box) {
+  TmapEncodeFn encode = tmap_encoder();
+  if (encode == nullptr) return "mok: cannot load cuTensorMapEncodeTiled from the CUDA driver";
+  if (reinterpret_cast<uintptr_t>(base) & 15) return "mok: TMA operands need 16-byte aligned addresses";
+  for (cuuint32_t i = 0; i + 1 < rank; ++i)
+    if (strides[i] % 16) return "mok: TMA operands need 16-byte aligned rows (row length a multiple of 8 bf16)";
+  const cuuint32_t estr[5] = {1, 1, 1, 1, 1};
+  CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(base), dims, strides, box, estr,
                       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? nullptr : "mok: cuTensorMapEncodeTiled failed";
+}
+
+// A 2D bf16 tensor: `rows` x `cols` (cols contiguous, row pitch `ld` elements), box {64 cols,
+// box_rows rows}. Returns nullptr on success, else a message.
+inline const char* make_tmap_bf16_2d(CUtensorMap* map, const void* base, uint64_t rows, uint64_t cols,
+                                     uint64_t ld, uint32_t box_rows) {
+  const cuuint64_t dims[2] = {cols, rows};
+  const cuuint64_t strides[1] = {ld * 2};
+  const cuuint32_t box[2] = {64, box_rows};
+  return encode_tmap_bf16(map, base, 2, dims, strides, box);
+}
+
+// Gate/up weights [nseg * 2 n, k] (per expert: n gate rows, then n up rows) seen as 4D
+// {k, 8 rows, gate|up, 8-row block}: a box {64, 8, 2, 8} is 64 K-columns of eight pairs
+// [8 gate rows; the same 8 up rows], 128 rows in shared memory. The block count stops n rows short
+// of the end, so that no in-bounds coordinate addresses past the tensor (blocks past it read zeros).
+inline const char* make_tmap_gate_up_pairs(CUtensorMap* map, const void* base, uint64_t nseg, uint64_t n,
+                                           uint64_t k) {
+  if (n % 8) return "mok: the gate/up pair map needs n a multiple of 8";
+  const cuuint64_t dims[4] = {k, 8, 2, (nseg * 2 * n - n) / 8};
+  const cuuint64_t strides[3] = {k * 2, n * k * 2, 8 * k * 2};
+  const cuuint32_t box[4] = {64, 8, 2, 8};
+  return encode_tmap_bf16(map, base, 4, dims, strides, box);
 }
 
 inline int num_sms() {

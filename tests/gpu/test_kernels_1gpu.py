@@ -23,8 +23,10 @@ DEV = "cuda:0"  # the workspace compares devices exactly
 @pytest.mark.parametrize("swiglu", [False, True])
 @pytest.mark.parametrize("K,N", [(256, 256), (384, 192), (136, 40), (1024, 520)])
 def test_grouped_gemm_matches_matmul(swiglu, K, N, monkeypatch):
+    """The token-major GEMM (MOK_GEMM_EXPERT=0; without seg_counts it is the only one)."""
     from megatron_mok import ops
 
+    monkeypatch.setenv("MOK_GEMM_EXPERT", "0")
     gen = torch.Generator().manual_seed(K * 7 + N)
     counts = [130, 0, 1, 255, 128, 0, 17]
     nseg = len(counts)
@@ -66,6 +68,81 @@ def test_grouped_gemm_matches_matmul(swiglu, K, N, monkeypatch):
         if offs[e + 1] > offs[e]:
             assert rel_err(out[rows], ref) < 1e-2, (e, rel_err(out[rows], ref))
     assert torch.isnan(out[offs[-1]:].float()).all(), "rows past the last segment were written"
+
+
+def _expert_case(K, N, swiglu, counts, seed):
+    gen = torch.Generator().manual_seed(seed)
+    padded = [(c + 127) // 128 * 128 for c in counts]
+    offs = [0]
+    for p in padded:
+        offs.append(offs[-1] + p)
+    cap = offs[-1] + 256  # rows past the last segment must stay untouched
+    a = torch.randn(cap, K, generator=gen).bfloat16().to(DEV)
+    for e in range(len(counts)):  # padding rows are zero rows, as the dispatch writes them
+        a[offs[e] + counts[e]: offs[e + 1]] = 0
+    b = (torch.randn(len(counts), 2 * N if swiglu else N, K, generator=gen) / K**0.5).bfloat16().to(DEV)
+    seg = torch.tensor(offs, dtype=torch.int32, device=DEV)
+    cnt = torch.tensor(counts, dtype=torch.int32, device=DEV)
+    return a, b, seg, cnt, offs
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("K,N", [(256, 256), (384, 192), (136, 40), (1024, 520)])
+def test_expert_gemm_matches_matmul(swiglu, K, N, monkeypatch):
+    """The expert-major GEMM (the default with seg_counts): token chunks of 1..256 rows in every
+    16-row size class, experts with 0, 1, 256, 257 and 700 rows; real rows against fp32 matmul,
+    padding rows +0, rows past the last segment untouched, bits independent of the CTA count."""
+    from megatron_mok import ops
+
+    monkeypatch.setenv("MOK_GEMM_EXPERT", "1")
+    counts = [130, 0, 1, 255, 256, 257, 700, 17, 48, 200, 15]
+    a, b, seg, cnt, offs = _expert_case(K, N, swiglu, counts, K * 5 + N)
+    cap = a.shape[0]
+    first = None
+    for ctas in (0, 1, 3, 37):
+        out = torch.full((cap, N), float("nan"), dtype=torch.bfloat16, device=DEV)
+        h = torch.full((cap, 2 * N), float("nan"), dtype=torch.bfloat16, device=DEV) if swiglu else None
+        ops.grouped_gemm(a, b, seg, out, swiglu, ctas, cnt, pre_out=h)
+        if first is None:
+            first = (out, h)
+            continue
+        assert torch.equal(bits(out), bits(first[0])), f"bits depend on the CTA count ({ctas})"
+        if swiglu:
+            assert torch.equal(bits(h), bits(first[1])), f"pre_out bits depend on the CTA count ({ctas})"
+    out, h = first
+    torch.cuda.synchronize()
+    for e, n in enumerate(counts):
+        lo, end = offs[e], offs[e + 1]
+        if n:
+            hh = a[lo:lo + n].float() @ b[e].float().t()
+            ref = torch.nn.functional.silu(hh[:, :N]) * hh[:, N:] if swiglu else hh
+            assert rel_err(out[lo:lo + n], ref) < 1e-2, (e, rel_err(out[lo:lo + n], ref))
+            if swiglu:
+                assert rel_err(h[lo:lo + n], hh) < 1e-2, e
+        assert bool((out[lo + n:end] == 0).all()), f"padding rows of expert {e} are not +0"
+        if swiglu:
+            assert bool((h[lo + n:end] == 0).all()), f"pre_out padding rows of expert {e} are not +0"
+    assert torch.isnan(out[offs[-1]:].float()).all(), "rows past the last segment were written"
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_expert_gemm_bits_equal_token_major(swiglu, monkeypatch):
+    """Swapping the MMA's operands (weights as M, tokens as N) keeps every output bit: the megakernel
+    (token-major tiles) and the staged path (expert-major) give the same bits."""
+    from megatron_mok import ops
+
+    K, N = 512, 264
+    counts = [300, 5, 128, 0, 64, 1000]
+    a, b, seg, cnt, offs = _expert_case(K, N, swiglu, counts, 91)
+    res = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("MOK_GEMM_EXPERT", mode)
+        out = torch.full((a.shape[0], N), float("nan"), dtype=torch.bfloat16, device=DEV)
+        ops.grouped_gemm(a, b, seg, out, swiglu, 0, cnt)
+        res[mode] = out
+    torch.cuda.synchronize()
+    rows = offs[-1]
+    assert torch.equal(bits(res["0"][:rows]), bits(res["1"][:rows]))
 
 
 def test_grouped_gemm_single_segment_tail_rows():

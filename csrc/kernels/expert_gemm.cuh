@@ -1,0 +1,358 @@
+// Expert-major grouped GEMM for sm_90a (the routed experts' GEMMs with A and B swapped).
+//
+// Why: at ~256 rows per expert the routed GEMMs sit on H200's ridge, and the token-major tiles of
+// grouped_gemm.cuh (128 token rows x 256 weight rows) waste both sides of it: an expert's rows
+// rarely fill whole 128-row tiles (26% padding tiles at DSv3 EP=2 T=4096), and an expert's tail
+// tile reads the full weight block again. Here the weights are the MMA's M side (128 weight rows
+// per tile, one per consumer warpgroup half) and the tokens its N side: wgmma takes any N that is a
+// multiple of 8, so a task covers a whole chunk of up to 256 of an expert's token rows, rounded up
+// to 16. An expert with <= 256 rows reads each weight block once; padding costs < 16 rows.
+//
+// Tasks (expert e, weight block b, token chunk c), expert-major then block then chunk, so the
+// chunks of one weight block run back to back (the second hits L2) and the 32 (gate/up) or 56
+// (down) blocks that read one token chunk run within one wave. Every output element is owned by
+// one task and reduced over K in ascending order: the bits do not depend on the grid.
+//
+// Gate/up (kSwiGLU): a 4D tensor map loads the weight tile as eight [8 gate rows; 8 up rows] pairs,
+// so in the wgmma accumulator layout each thread holds gate column j (row 16w + l/4) and up column
+// j (row 16w + 8 + l/4) of the same tokens, and silu(gate) * up is computed in registers.
+// The accumulators are [weight row, token]; the epilogue transposes them through shared memory
+// (64 tokens at a time, padded rows: no bank conflicts) into 16-byte row-major stores.
+//
+// Real rows get the products; padding rows of a segment get +0, as from the token-major GEMM.
+#pragma once
+
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cute/arch/mma_sm90_gmma_ext.hpp>
+#include <utility>
+
+#include "common.cuh"
+#include "swiglu.cuh"
+
+namespace mok {
+namespace xgemm {
+
+constexpr int WM = 128;           // weight rows per tile (64 per consumer warpgroup)
+constexpr int kMaxTok = 256;      // token rows per task (wgmma N <= 256)
+constexpr int kTokAlign = 16;     // token rows of a task are a multiple of this (wgmma N granularity used)
+constexpr int BK = 64;            // K per stage (one 128-byte swizzle atom of bf16)
+constexpr int kStages = 4;
+constexpr int kThreads = 384;     // warpgroup 0: producer; 1, 2: consumers
+constexpr int kXBox = 64;         // token rows per TMA box
+constexpr int kWBytes = WM * BK * 2;        // 16 KB
+constexpr int kXBytes = kMaxTok * BK * 2;   // 32 KB
+constexpr int kStageStride = 72;            // epilogue staging row: 64 columns + 8 (bank spread)
+constexpr int kStageBytesPerWG = 64 * kStageStride * 2;  // 64 tokens
+constexpr int kMaxSeg = 512;      // experts per launch (task prefix kept in shared memory)
+// dynamic shared memory; the chunk prefix ([kMaxSeg + 1] ints) is static shared memory of the kernel
+constexpr int kSmemBytes = kStages * (kWBytes + kXBytes) + 2 * kStageBytesPerWG + 2 * kStages * 8 + 1024 /* alignment */;
+
+struct Params {
+  const int* seg_offsets;  // [nseg + 1] token row offsets (segments may hold padding rows)
+  const int* seg_counts;   // [nseg] real rows of each segment
+  int nseg;
+  int a_rows;              // rows of the token operand and the outputs
+  int K;
+  int N;                   // output columns (SwiGLU: I; the weights hold 2 N rows per expert)
+  int w_rows_per_seg;      // weight rows per expert (SwiGLU: 2 N)
+  int n_blocks;            // weight tiles per expert: ceil(N / 64) (SwiGLU) or ceil(N / 128)
+  __nv_bfloat16* out;      // [rows, N]
+  __nv_bfloat16* pre_out;  // SwiGLU only, optional: [rows, 2 N] = [gate | up] (bf16-rounded)
+};
+
+// Shared memory: the ring, the epilogue's staging tiles, the ring barriers. Only the 1024-aligned
+// base is kept (the rest are constant offsets: fewer live registers, no spill).
+constexpr int kOffStaging = kStages * (kWBytes + kXBytes);
+constexpr int kOffBarriers = kOffStaging + 2 * kStageBytesPerWG;
+
+struct Smem {
+  uint8_t* base;
+  __device__ __forceinline__ uint8_t* w(int s) const { return base + s * kWBytes; }
+  __device__ __forceinline__ uint8_t* x(int s) const { return base + kStages * kWBytes + s * kXBytes; }
+  __device__ __forceinline__ __nv_bfloat16* staging(int cw) const {
+    return reinterpret_cast<__nv_bfloat16*>(base + kOffStaging) + cw * (64 * kStageStride);
+  }
+  __device__ __forceinline__ uint64_t* full(int s) const { return reinterpret_cast<uint64_t*>(base + kOffBarriers) + s; }
+  __device__ __forceinline__ uint64_t* empty(int s) const { return full(kStages + s); }
+};
+
+__device__ __forceinline__ Smem carve_smem(uint8_t* raw) {
+  return Smem{reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023))};
+}
+
+__host__ __device__ constexpr int chunks_of(int rows) { return (rows + kMaxTok - 1) / kMaxTok; }
+
+// Warp 0: chunk_prefix[e] = sum of chunks_of(seg_counts[i]) for i < e (the caller syncs after).
+__device__ __forceinline__ void build_chunk_prefix(const Params& p, int* prefix) {
+  const int lane = threadIdx.x % 32;
+  int running = 0;
+  for (int base = 0; base < p.nseg; base += 32) {
+    const int e = base + lane;
+    const int v = e < p.nseg ? chunks_of(max(p.seg_counts[e], 0)) : 0;
+    int incl = v;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int o = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += o;
+    }
+    if (e < p.nseg) prefix[e + 1] = running + incl;
+    running += __shfl_sync(0xffffffffu, incl, 31);
+  }
+  if (lane == 0) prefix[0] = 0;
+}
+
+// One task: weight block `block` of expert `seg` against token rows [row0, row0 + n_tok) (n_tok a
+// multiple of kTokAlign, <= 256), of which the first `n_real` are real. The expert's last chunk
+// also writes +0 into the segment's padding rows [pad0, pad1) (else pad0 == pad1).
+struct Task {
+  int seg, block, row0, n_tok, n_real, pad0, pad1;
+};
+
+__device__ __forceinline__ int num_tasks(const Params& p, const int* prefix) { return prefix[p.nseg] * p.n_blocks; }
+
+// Task u (< num_tasks). An expert's rows split into chunks_of(rows) chunks of whole kTokAlign-row
+// units, as equal as the units allow (each <= 256 rows, none empty).
+__device__ __forceinline__ Task decode(const Params& p, const int* prefix, int u) {
+  int lo = 0, hi = p.nseg - 1;  // last e with prefix[e] * n_blocks <= u
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (prefix[mid] * p.n_blocks <= u) lo = mid; else hi = mid - 1;
+  }
+  const int e = lo;
+  const int ch = prefix[e + 1] - prefix[e];
+  const int local = u - prefix[e] * p.n_blocks;
+  const int c = local % ch;
+  Task t;
+  t.seg = e;
+  t.block = local / ch;
+  const int rows = p.seg_counts[e];
+  const int units = (rows + kTokAlign - 1) / kTokAlign;
+  const int q = units / ch, r = units % ch;
+  const int first = c * q + min(c, r);
+  t.n_tok = kTokAlign * (q + (c < r ? 1 : 0));
+  t.row0 = p.seg_offsets[e] + kTokAlign * first;
+  t.n_real = max(0, min(min(t.n_tok, rows - kTokAlign * first), p.a_rows - t.row0));
+  t.pad0 = t.pad1 = 0;
+  if (c == ch - 1) {
+    t.pad0 = t.row0 + t.n_real;
+    t.pad1 = max(t.pad0, min(p.seg_offsets[e + 1], p.a_rows));
+    t.pad0 = min(t.pad0, t.pad1);
+  }
+  return t;
+}
+
+// ---- the ring ------------------------------------------------------------------------------------
+
+// Producer thread: the weight tile and the task's token rows, K block by K block.
+template <bool kSwiGLU>
+__device__ __forceinline__ void produce_task(const Params& p, const CUtensorMap* tmW, const CUtensorMap* tmX,
+                                             const Smem& sm, const Task& t, uint32_t& it) {
+  const int nk = (p.K + BK - 1) / BK;
+  const int nbox = (t.n_tok + kXBox - 1) / kXBox;
+  // SwiGLU: the 4D map's outer coordinate counts 8-row blocks of the gate half
+  const int wcoord = kSwiGLU ? (t.seg * p.w_rows_per_seg + t.block * (WM / 2)) / 8 : t.seg * p.w_rows_per_seg + t.block * WM;
+  for (int kb = 0; kb < nk; ++kb, ++it) {
+    const int s = it % kStages;
+    mbar_wait(sm.empty(s), ((it / kStages) & 1) ^ 1);
+    mbar_arrive_expect_tx(sm.full(s), kWBytes + nbox * kXBox * BK * 2);
+    if constexpr (kSwiGLU)
+      tma_load_4d(sm.w(s), tmW, sm.full(s), kb * BK, 0, 0, wcoord);
+    else
+      tma_load_2d(sm.w(s), tmW, sm.full(s), kb * BK, wcoord);
+    for (int i = 0; i < nbox; ++i)
+      tma_load_2d(sm.x(s) + i * kXBox * 128, tmX, sm.full(s), kb * BK, t.row0 + i * kXBox);
+  }
+}
+
+// wgmma m64 nN k16 through CuTe's SM90 atoms, on the first N / 2 accumulators.
+template <int N>
+struct Atom;
+#define MOK_XGEMM_ATOM(N) \
+  template <>             \
+  struct Atom<N> {        \
+    using type = cute::SM90::GMMA::MMA_64x##N##x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>; \
+  };
+MOK_XGEMM_ATOM(16)
+MOK_XGEMM_ATOM(32)
+MOK_XGEMM_ATOM(48)
+MOK_XGEMM_ATOM(64)
+MOK_XGEMM_ATOM(80)
+MOK_XGEMM_ATOM(96)
+MOK_XGEMM_ATOM(112)
+MOK_XGEMM_ATOM(128)
+MOK_XGEMM_ATOM(144)
+MOK_XGEMM_ATOM(160)
+MOK_XGEMM_ATOM(176)
+MOK_XGEMM_ATOM(192)
+MOK_XGEMM_ATOM(208)
+MOK_XGEMM_ATOM(224)
+MOK_XGEMM_ATOM(240)
+MOK_XGEMM_ATOM(256)
+#undef MOK_XGEMM_ATOM
+
+template <int N, size_t... Is>
+__device__ __forceinline__ void wgmma_n(float (&d)[128], uint64_t da, uint64_t db, bool accumulate,
+                                        std::index_sequence<Is...>) {
+  Atom<N>::type::fma(da, db, d[Is]...,
+                     accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+
+// Consumer warpgroup `cw`: weight rows 64 cw .. 64 cw + 63 of the stage against its N token rows.
+template <int N>
+__device__ __forceinline__ void mma_task(const Params& p, const Smem& sm, int cw, float (&acc)[128], uint32_t& it) {
+  const int nk = (p.K + BK - 1) / BK;
+  int prev = -1;
+  for (int kb = 0; kb < nk; ++kb, ++it) {
+    const int s = it % kStages;
+    mbar_wait(sm.full(s), (it / kStages) & 1);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      const uint64_t da = wgmma_desc_sw128(sm.w(s) + cw * (WM / 2) * 128 + kk * 32);
+      const uint64_t db = wgmma_desc_sw128(sm.x(s) + kk * 32);
+      wgmma_n<N>(acc, da, db, kb > 0 || kk > 0, std::make_index_sequence<N / 2>{});
+    }
+    wgmma_commit();
+    if (prev >= 0) {
+      wgmma_wait<1>();
+      if (threadIdx.x % 32 == 0) mbar_arrive(sm.empty(prev));
+    }
+    prev = s;
+  }
+  wgmma_wait<0>();
+  fence_regs(acc);
+  if (threadIdx.x % 32 == 0) mbar_arrive(sm.empty(prev));
+}
+
+// The task's N as a template argument (N = 16 .. 256).
+__device__ __forceinline__ void mma_task_any(const Params& p, const Smem& sm, int cw, float (&acc)[128], uint32_t& it,
+                                             int n_tok) {
+  switch (n_tok / kTokAlign) {
+#define MOK_XGEMM_CASE(U) \
+  case U:                 \
+    mma_task<U * kTokAlign>(p, sm, cw, acc, it); \
+    break;
+    MOK_XGEMM_CASE(1) MOK_XGEMM_CASE(2) MOK_XGEMM_CASE(3) MOK_XGEMM_CASE(4) MOK_XGEMM_CASE(5) MOK_XGEMM_CASE(6)
+    MOK_XGEMM_CASE(7) MOK_XGEMM_CASE(8) MOK_XGEMM_CASE(9) MOK_XGEMM_CASE(10) MOK_XGEMM_CASE(11)
+    MOK_XGEMM_CASE(12) MOK_XGEMM_CASE(13) MOK_XGEMM_CASE(14) MOK_XGEMM_CASE(15) MOK_XGEMM_CASE(16)
+#undef MOK_XGEMM_CASE
+    default:
+      break;
+  }
+}
+
+// ---- epilogue --------------------------------------------------------------------------------------
+
+// Accumulator layout of a consumer warpgroup (thread t, warp w = t / 32, lane l, q = l % 4):
+// acc[4 g + 2 s + h] holds weight row 16 w + l / 4 + 8 s and token 8 g + 2 q + h.
+
+// Rows of the staging tile [64 tokens][kStageStride] written by the warpgroup, then copied out as
+// 16-byte row pieces: `cols` staged columns per token (32 SwiGLU, 64 down) to dst columns
+// col0 .. col0 + cols (those < n_cols), tokens < n_real of this 64-token slice.
+__device__ __forceinline__ void flush_staging(const __nv_bfloat16* stg, int cols, __nv_bfloat16* dst, int64_t ld,
+                                              int row0, int col0, int n_cols, int n_real, int bar) {
+  warpgroup_bar_sync(bar);
+  const int t = threadIdx.x % 128;
+  const int vecs = cols / 8;
+  for (int idx = t; idx < 64 * vecs; idx += 128) {
+    const int c = idx / vecs, v = idx % vecs;
+    const int col = col0 + 8 * v;
+    if (c < n_real && col < n_cols)
+      st16(dst + static_cast<int64_t>(row0 + c) * ld + col,
+           *reinterpret_cast<const uint4*>(stg + c * kStageStride + 8 * v));
+  }
+  warpgroup_bar_sync(bar);
+}
+
+// +0 into rows [r0, r1) of dst's columns col0 .. col0 + cols (those < n_cols): a segment's padding
+// rows, as the token-major GEMM leaves them (its padding rows of A are zero).
+__device__ __forceinline__ void zero_rows(__nv_bfloat16* dst, int64_t ld, int r0, int r1, int col0, int cols,
+                                          int n_cols) {
+  const int vecs = cols / 8;
+  for (int idx = threadIdx.x % 128; idx < (r1 - r0) * vecs; idx += 128) {
+    const int col = col0 + 8 * (idx % vecs);
+    if (col < n_cols) st16(dst + static_cast<int64_t>(r0 + idx / vecs) * ld + col, make_uint4(0, 0, 0, 0));
+  }
+}
+
+template <bool kSwiGLU>
+__device__ __forceinline__ void store_task(const Params& p, const Smem& sm, const Task& tk, int cw,
+                                           const float (&acc)[128]) {
+  const int t = threadIdx.x % 128;
+  const int w = t / 32, lane = t % 32, q = lane % 4, r = lane / 4;
+  const int bar = 2 + cw;
+  __nv_bfloat16* stg = sm.staging(cw);
+  const int rounds = (kSwiGLU && p.pre_out != nullptr) ? 3 : 1;
+#pragma unroll
+  for (int sl = 0; sl < kMaxTok / 64; ++sl) {
+    if (64 * sl >= tk.n_tok) break;
+    const int row0 = tk.row0 + 64 * sl;
+    const int n_real = tk.n_real - 64 * sl;
+    for (int round = 0; round < rounds; ++round) {
+#pragma unroll
+      for (int g8 = 0; g8 < 8; ++g8) {
+        const int g = 8 * sl + g8;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int c = 8 * g8 + 2 * q + h;
+          const float lo = acc[4 * g + h], hi = acc[4 * g + 2 + h];
+          if constexpr (kSwiGLU) {
+            // lo: gate j, hi: up j, j = 8 w + r of this warpgroup's 32 columns
+            const float v = round == 0 ? swiglu(lo, hi) : (round == 1 ? lo : hi);
+            stg[c * kStageStride + 8 * w + r] = __float2bfloat16_rn(v);
+          } else {
+            stg[c * kStageStride + 16 * w + r] = __float2bfloat16_rn(lo);
+            stg[c * kStageStride + 16 * w + 8 + r] = __float2bfloat16_rn(hi);
+          }
+        }
+      }
+      if constexpr (kSwiGLU) {
+        const int col0 = tk.block * (WM / 2) + cw * 32;
+        __nv_bfloat16* dst = round == 0 ? p.out : p.pre_out + (round == 2 ? p.N : 0);
+        flush_staging(stg, 32, dst, round == 0 ? p.N : 2 * p.N, row0, col0, p.N, n_real, bar);
+        // pre_out's column bound is N for both halves (col0 < N), the offset picks the half
+      } else {
+        flush_staging(stg, 64, p.out, p.N, row0, tk.block * WM + cw * 64, p.N, n_real, bar);
+      }
+    }
+  }
+  if (tk.pad1 > tk.pad0) {
+    if constexpr (kSwiGLU) {
+      const int col0 = tk.block * (WM / 2) + cw * 32;
+      zero_rows(p.out, p.N, tk.pad0, tk.pad1, col0, 32, p.N);
+      if (p.pre_out != nullptr) {
+        zero_rows(p.pre_out, 2 * p.N, tk.pad0, tk.pad1, col0, 32, p.N);
+        zero_rows(p.pre_out + p.N, 2 * p.N, tk.pad0, tk.pad1, col0, 32, p.N);
+      }
+    } else {
+      zero_rows(p.out, p.N, tk.pad0, tk.pad1, tk.block * WM + cw * 64, 64, p.N);
+    }
+  }
+}
+
+// ---- host side -----------------------------------------------------------------------------------
+
+inline Params make_params(const int* seg_offsets, const int* seg_counts, int nseg, int a_rows, int K, int N,
+                          bool swiglu, void* out, void* pre_out) {
+  Params p{};
+  p.seg_offsets = seg_offsets;
+  p.seg_counts = seg_counts;
+  p.nseg = nseg;
+  p.a_rows = a_rows;
+  p.K = K;
+  p.N = N;
+  p.w_rows_per_seg = swiglu ? 2 * N : N;
+  p.n_blocks = swiglu ? (N + WM / 2 - 1) / (WM / 2) : (N + WM - 1) / WM;
+  p.out = static_cast<__nv_bfloat16*>(out);
+  p.pre_out = swiglu ? static_cast<__nv_bfloat16*>(pre_out) : nullptr;
+  return p;
+}
+
+// MOK_GEMM_EXPERT=0: routed GEMMs run token-major (grouped_gemm.cuh) instead (read per launch).
+inline bool enabled() {
+  const char* v = getenv("MOK_GEMM_EXPERT");
+  return !(v != nullptr && v[0] == '0');
+}
+
+}  // namespace xgemm
+}  // namespace mok
