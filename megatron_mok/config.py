@@ -27,7 +27,8 @@ class MoKConfig:
     fwd_comm_sms: SMs of the forward megakernel that pull-dispatch tokens before they compute (1-64).
     bwd_comm_sms: SMs (4 CTAs each) of the backward's pull, push and row-gather kernels (1-132); the
         rest can run the shared expert's backward on its side stream meanwhile.
-    minibatch_rows: routed rows per compute/communication overlap step (multiple of ROW_ALIGN).
+    minibatch_rows: routed rows per compute/communication overlap step (multiple of ROW_ALIGN); the
+        megakernel overlaps in minibatch_rows / 256 token chunks of up to 256 rows (at least one).
     capacity_factor: fraction of the worst case (every token of every rank routed here) that the
         routed-row buffer holds; 1.0 can never overflow. Overflow raises, it never drops tokens.
     precision: "bf16", the only one the kernels run; "fp8" (block-scaled e4m3) raises: not

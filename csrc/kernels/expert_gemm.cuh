@@ -27,6 +27,7 @@
 #include <utility>
 
 #include "common.cuh"
+#include "grouped_gemm.cuh"  // ring_wait, release_stage
 #include "swiglu.cuh"
 
 namespace mok {
@@ -82,13 +83,20 @@ __device__ __forceinline__ Smem carve_smem(uint8_t* raw) {
 
 __host__ __device__ constexpr int chunks_of(int rows) { return (rows + kMaxTok - 1) / kMaxTok; }
 
+// Real rows of expert e that its segment holds (after a capacity overflow, which the schedule
+// flags, the counts exceed the clipped segments: tasks stay inside them, and the chunk count stays
+// <= the 128-row blocks, which bounds the megakernel's per-chunk counters).
+__device__ __forceinline__ int seg_rows(const Params& p, int e) {
+  return max(0, min(p.seg_counts[e], p.seg_offsets[e + 1] - p.seg_offsets[e]));
+}
+
 // Warp 0: chunk_prefix[e] = sum of chunks_of(seg_counts[i]) for i < e (the caller syncs after).
 __device__ __forceinline__ void build_chunk_prefix(const Params& p, int* prefix) {
   const int lane = threadIdx.x % 32;
   int running = 0;
   for (int base = 0; base < p.nseg; base += 32) {
     const int e = base + lane;
-    const int v = e < p.nseg ? chunks_of(max(p.seg_counts[e], 0)) : 0;
+    const int v = e < p.nseg ? chunks_of(seg_rows(p, e)) : 0;
     int incl = v;
 #pragma unroll
     for (int d = 1; d < 32; d *= 2) {
@@ -110,22 +118,25 @@ struct Task {
 
 __device__ __forceinline__ int num_tasks(const Params& p, const int* prefix) { return prefix[p.nseg] * p.n_blocks; }
 
-// Task u (< num_tasks). An expert's rows split into chunks_of(rows) chunks of whole kTokAlign-row
-// units, as equal as the units allow (each <= 256 rows, none empty).
-__device__ __forceinline__ Task decode(const Params& p, const int* prefix, int u) {
-  int lo = 0, hi = p.nseg - 1;  // last e with prefix[e] * n_blocks <= u
+// Last expert e with prefix[e] <= key * scale (with key < prefix[nseg] * scale: the expert whose
+// range holds it; empty experts have no range).
+__device__ __forceinline__ int find_expert(const Params& p, const int* prefix, int key, int scale) {
+  int lo = 0, hi = p.nseg - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (prefix[mid] * p.n_blocks <= u) lo = mid; else hi = mid - 1;
+    if (prefix[mid] * scale <= key) lo = mid; else hi = mid - 1;
   }
-  const int e = lo;
-  const int ch = prefix[e + 1] - prefix[e];
-  const int local = u - prefix[e] * p.n_blocks;
-  const int c = local % ch;
+  return lo;
+}
+
+// Weight block `block` of expert e against its chunk c (of ch = chunks_of(rows)). An expert's rows
+// split into ch chunks of whole kTokAlign-row units, as equal as the units allow (each <= 256
+// rows, none empty).
+__device__ __forceinline__ Task make_task(const Params& p, int e, int block, int c, int ch) {
   Task t;
   t.seg = e;
-  t.block = local / ch;
-  const int rows = p.seg_counts[e];
+  t.block = block;
+  const int rows = seg_rows(p, e);
   const int units = (rows + kTokAlign - 1) / kTokAlign;
   const int q = units / ch, r = units % ch;
   const int first = c * q + min(c, r);
@@ -141,19 +152,46 @@ __device__ __forceinline__ Task decode(const Params& p, const int* prefix, int u
   return t;
 }
 
+// Task u (< num_tasks) of the staged launch: expert-major, then block, then chunk.
+__device__ __forceinline__ Task decode(const Params& p, const int* prefix, int u) {
+  const int e = find_expert(p, prefix, u, p.n_blocks);
+  const int ch = prefix[e + 1] - prefix[e];
+  const int local = u - prefix[e] * p.n_blocks;
+  return make_task(p, e, local / ch, local % ch, ch);
+}
+
+// Task i (< n_blocks * count) of the chunk window [g0, g0 + count) (the megakernel's minibatch):
+// the window's experts in order, each block-major over its chunks inside the window. *chunk: the
+// global chunk index (prefix[e] + c) of the task.
+__device__ __forceinline__ Task decode_window(const Params& p, const int* prefix, int g0, int count, int i,
+                                             int* chunk) {
+  const int g = g0 + i / p.n_blocks;  // a chunk of the task's expert (its tasks are n_blocks per chunk)
+  const int e = find_expert(p, prefix, g, 1);
+  const int start = max(g0, prefix[e]), end = min(g0 + count, prefix[e + 1]);
+  const int local = i - p.n_blocks * (start - g0);
+  const int c = start + local % (end - start);
+  *chunk = c;
+  return make_task(p, e, local / (end - start), c - prefix[e], prefix[e + 1] - prefix[e]);
+}
+
 // ---- the ring ------------------------------------------------------------------------------------
 
-// Producer thread: the weight tile and the task's token rows, K block by K block.
-template <bool kSwiGLU>
+// Producer thread: the weight tile and the task's token rows, K block by K block. `Ring` gives the
+// stages (w(s), x(s): the token-major ring's a(s), b(s) layout) and their barriers (full(s),
+// empty(s)). Megakernel (kWatch): waits under the watchdog, and `tag` goes to stage_tag[s] of the
+// task's first stage before it is armed.
+template <bool kSwiGLU, bool kWatch = false, class Ring>
 __device__ __forceinline__ void produce_task(const Params& p, const CUtensorMap* tmW, const CUtensorMap* tmX,
-                                             const Smem& sm, const Task& t, uint32_t& it) {
+                                             const Ring& sm, const Task& t, uint32_t& it, const Watchdog* w = nullptr,
+                                             volatile int* stage_tag = nullptr, int tag = 0) {
   const int nk = (p.K + BK - 1) / BK;
   const int nbox = (t.n_tok + kXBox - 1) / kXBox;
   // SwiGLU: the 4D map's outer coordinate counts 8-row blocks of the gate half
   const int wcoord = kSwiGLU ? (t.seg * p.w_rows_per_seg + t.block * (WM / 2)) / 8 : t.seg * p.w_rows_per_seg + t.block * WM;
   for (int kb = 0; kb < nk; ++kb, ++it) {
     const int s = it % kStages;
-    mbar_wait(sm.empty(s), ((it / kStages) & 1) ^ 1);
+    gemm::ring_wait<kWatch>(sm.empty(s), ((it / kStages) & 1) ^ 1, w);
+    if (stage_tag != nullptr && kb == 0) stage_tag[s] = tag;
     mbar_arrive_expect_tx(sm.full(s), kWBytes + nbox * kXBox * BK * 2);
     if constexpr (kSwiGLU)
       tma_load_4d(sm.w(s), tmW, sm.full(s), kb * BK, 0, 0, wcoord);
@@ -198,13 +236,16 @@ __device__ __forceinline__ void wgmma_n(float (&d)[128], uint64_t da, uint64_t d
 }
 
 // Consumer warpgroup `cw`: weight rows 64 cw .. 64 cw + 63 of the stage against its N token rows.
-template <int N>
-__device__ __forceinline__ void mma_task(const Params& p, const Smem& sm, int cw, float (&acc)[128], uint32_t& it) {
+// kPaired (megakernel clusters): a stage is freed on both CTAs' empty barriers (the ring protocol
+// of grouped_gemm.cuh; the expert tasks themselves share nothing).
+template <int N, bool kWatch, bool kPaired, class Ring>
+__device__ __forceinline__ void mma_task(const Params& p, const Ring& sm, int cw, float (&acc)[128], uint32_t& it,
+                                         const Watchdog* w) {
   const int nk = (p.K + BK - 1) / BK;
   int prev = -1;
   for (int kb = 0; kb < nk; ++kb, ++it) {
     const int s = it % kStages;
-    mbar_wait(sm.full(s), (it / kStages) & 1);
+    gemm::ring_wait<kWatch>(sm.full(s), (it / kStages) & 1, w);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
@@ -215,22 +256,35 @@ __device__ __forceinline__ void mma_task(const Params& p, const Smem& sm, int cw
     wgmma_commit();
     if (prev >= 0) {
       wgmma_wait<1>();
-      if (threadIdx.x % 32 == 0) mbar_arrive(sm.empty(prev));
+      gemm::release_stage<kPaired>(sm.empty(prev));
     }
     prev = s;
   }
   wgmma_wait<0>();
   fence_regs(acc);
-  if (threadIdx.x % 32 == 0) mbar_arrive(sm.empty(prev));
+  gemm::release_stage<kPaired>(sm.empty(prev));
+}
+
+// A task this warpgroup does not compute (the idle half of an incomplete megakernel pair): keep the
+// ring's phases only.
+template <bool kWatch, bool kPaired, class Ring>
+__device__ __forceinline__ void skip_task(const Params& p, const Ring& sm, uint32_t& it, const Watchdog* w) {
+  const int nk = (p.K + BK - 1) / BK;
+  for (int kb = 0; kb < nk; ++kb, ++it) {
+    const int s = it % kStages;
+    gemm::ring_wait<kWatch>(sm.full(s), (it / kStages) & 1, w);
+    gemm::release_stage<kPaired>(sm.empty(s));
+  }
 }
 
 // The task's N as a template argument (N = 16 .. 256).
-__device__ __forceinline__ void mma_task_any(const Params& p, const Smem& sm, int cw, float (&acc)[128], uint32_t& it,
-                                             int n_tok) {
+template <bool kWatch = false, bool kPaired = false, class Ring>
+__device__ __forceinline__ void mma_task_any(const Params& p, const Ring& sm, int cw, float (&acc)[128], uint32_t& it,
+                                             int n_tok, const Watchdog* w = nullptr) {
   switch (n_tok / kTokAlign) {
 #define MOK_XGEMM_CASE(U) \
   case U:                 \
-    mma_task<U * kTokAlign>(p, sm, cw, acc, it); \
+    mma_task<U * kTokAlign, kWatch, kPaired>(p, sm, cw, acc, it, w); \
     break;
     MOK_XGEMM_CASE(1) MOK_XGEMM_CASE(2) MOK_XGEMM_CASE(3) MOK_XGEMM_CASE(4) MOK_XGEMM_CASE(5) MOK_XGEMM_CASE(6)
     MOK_XGEMM_CASE(7) MOK_XGEMM_CASE(8) MOK_XGEMM_CASE(9) MOK_XGEMM_CASE(10) MOK_XGEMM_CASE(11)
@@ -249,8 +303,22 @@ __device__ __forceinline__ void mma_task_any(const Params& p, const Smem& sm, in
 // Rows of the staging tile [64 tokens][kStageStride] written by the warpgroup, then copied out as
 // 16-byte row pieces: `cols` staged columns per token (32 SwiGLU, 64 down) to dst columns
 // col0 .. col0 + cols (those < n_cols), tokens < n_real of this 64-token slice.
-__device__ __forceinline__ void flush_staging(const __nv_bfloat16* stg, int cols, __nv_bfloat16* dst, int64_t ld,
-                                              int row0, int col0, int n_cols, int n_real, int bar) {
+// (Shared-memory addresses are 32-bit here: generic 64-bit pointers cost the registers that the
+// megakernel's consumers do not have next to 128 accumulators.)
+__device__ __forceinline__ void st_shared_bf16(uint32_t addr, float v) {
+  const __nv_bfloat16 b = __float2bfloat16_rn(v);
+  asm volatile("st.shared.b16 [%0], %1;" ::"r"(addr), "h"(*reinterpret_cast<const uint16_t*>(&b)) : "memory");
+}
+
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void flush_staging(uint32_t stg, int cols, __nv_bfloat16* dst, int64_t ld, int row0,
+                                              int col0, int n_cols, int n_real, int bar) {
   warpgroup_bar_sync(bar);
   const int t = threadIdx.x % 128;
   const int vecs = cols / 8;
@@ -258,8 +326,7 @@ __device__ __forceinline__ void flush_staging(const __nv_bfloat16* stg, int cols
     const int c = idx / vecs, v = idx % vecs;
     const int col = col0 + 8 * v;
     if (c < n_real && col < n_cols)
-      st16(dst + static_cast<int64_t>(row0 + c) * ld + col,
-           *reinterpret_cast<const uint4*>(stg + c * kStageStride + 8 * v));
+      st16(dst + static_cast<int64_t>(row0 + c) * ld + col, ld_shared_v4(stg + 2 * (c * kStageStride + 8 * v)));
   }
   warpgroup_bar_sync(bar);
 }
@@ -275,13 +342,13 @@ __device__ __forceinline__ void zero_rows(__nv_bfloat16* dst, int64_t ld, int r0
   }
 }
 
-template <bool kSwiGLU>
-__device__ __forceinline__ void store_task(const Params& p, const Smem& sm, const Task& tk, int cw,
+template <bool kSwiGLU, class Ring>
+__device__ __forceinline__ void store_task(const Params& p, const Ring& sm, const Task& tk, int cw,
                                            const float (&acc)[128]) {
   const int t = threadIdx.x % 128;
   const int w = t / 32, lane = t % 32, q = lane % 4, r = lane / 4;
   const int bar = 2 + cw;
-  __nv_bfloat16* stg = sm.staging(cw);
+  const uint32_t stg = smem_u32(sm.staging(cw));
   const int rounds = (kSwiGLU && p.pre_out != nullptr) ? 3 : 1;
 #pragma unroll
   for (int sl = 0; sl < kMaxTok / 64; ++sl) {
@@ -299,10 +366,10 @@ __device__ __forceinline__ void store_task(const Params& p, const Smem& sm, cons
           if constexpr (kSwiGLU) {
             // lo: gate j, hi: up j, j = 8 w + r of this warpgroup's 32 columns
             const float v = round == 0 ? swiglu(lo, hi) : (round == 1 ? lo : hi);
-            stg[c * kStageStride + 8 * w + r] = __float2bfloat16_rn(v);
+            st_shared_bf16(stg + 2 * (c * kStageStride + 8 * w + r), v);
           } else {
-            stg[c * kStageStride + 16 * w + r] = __float2bfloat16_rn(lo);
-            stg[c * kStageStride + 16 * w + 8 + r] = __float2bfloat16_rn(hi);
+            st_shared_bf16(stg + 2 * (c * kStageStride + 16 * w + r), lo);
+            st_shared_bf16(stg + 2 * (c * kStageStride + 16 * w + 8 + r), hi);
           }
         }
       }

@@ -2,34 +2,38 @@
 // barrier (publish_barrier: x copied into the symmetric buffer) and the epilogue (which closes the
 // barrier this kernel opens at its end).
 //
-// Every CTA is a GEMM CTA of grouped_gemm.cuh (1 producer thread + 2 consumer warpgroups, 4-stage
-// TMA ring) plus 3 pusher warps (below). The first `num_comm` CTAs to start first pull-dispatch routed rows with all 384
-// threads, then join the GEMM work. GEMM work is a fixed linear task list, identical on every rank:
+// Every CTA is a GEMM CTA (1 producer thread + 2 consumer warpgroups, 4-stage TMA ring) plus 3
+// pusher warps (below). The first `num_comm` CTAs to start first pull-dispatch routed rows with all
+// 384 threads, then join the GEMM work. GEMM work is a fixed linear task list, identical on every
+// rank:
 //
-//   [shared gate/up tiles][shared down tiles]
-//   then per minibatch b (routed m-tiles [b * mb, (b + 1) * mb)): [gate/up tiles][down tiles]
+//   [shared gate/up tiles][shared down tiles]        token-major tiles (grouped_gemm.cuh)
+//   then per minibatch b (routed token chunks [b * mb, (b + 1) * mb)): [gate/up tasks][down tasks]
+//
+// Routed tasks are expert-major (expert_gemm.cuh): (expert, weight block, token chunk of <= 256 of
+// the expert's rows), inside a minibatch ordered by expert, then block, then chunk.
 //
 // A producer claims tasks in increasing order from a global ticket; a task waits only on earlier
 // tasks (or on the dispatch, which waits on nothing), so the persistent scheduler cannot deadlock,
 // whatever the grid size. Dependencies are local counters (ld.acquire.gpu / red.release.gpu):
-//   ready[m]     dispatch units (8 rows, one warp) of routed m-tile m written      (target 16)
-//   up_done[m]   routed gate/up tile halves of m-tile m written (act rows)        (target 2 n1)
-//   sup_done[m]  shared gate/up tile halves of m-tile m written (shared_act rows) (target 2 n1s)
-// (each consumer warpgroup arrives for its 64 rows of a tile).
-// The down-GEMM epilogue writes its 64 rows of y and queues them (a 4-slot shared-memory queue);
-// warps 1-3 of the producer warpgroup (idle otherwise) push them, row by row (512-byte contiguous
-// stores), into slot row_src_slot of the source rank's symmetric combine buffer, while the
-// consumers already run the next tile's MMAs.
+//   ready[m]     dispatch units (8 rows, one warp) of 128-row block m written        (target 16)
+//   up_done[g]   routed gate/up task halves of token chunk g written (act rows)     (target 2 n1)
+//   sup_done[m]  shared gate/up tile halves of m-tile m written (shared_act rows)   (target 2 n1s)
+// (each consumer warpgroup arrives once per task).
+// A routed down task's epilogue writes its rows of y (64 columns per consumer warpgroup) and queues
+// them (a 4-slot shared-memory queue); warps 1-3 of the producer warpgroup (idle otherwise) push
+// them (128-byte row pieces) into slot row_src_slot of the source rank's symmetric combine buffer,
+// while the consumers already run the next task's MMAs.
 //
-// Bits: every output tile is still computed by exactly one CTA with the K order and epilogue of
-// the staged grouped GEMM, and the dispatch and combine copy values unchanged, so the results do
-// not depend on num_comm, the grid size or minibatch_rows (tested bitwise against the staged path).
+// Bits: every output element is computed by exactly one task with the K order and epilogue of the
+// staged grouped GEMMs, and the dispatch and combine copy values unchanged, so the results do not
+// depend on num_comm, the grid size or minibatch_rows (tested bitwise against the staged path).
 //
-// Paired (default; MOK_GEMM_PAIRED=0 turns it off, same bits): CTAs run in 2-CTA clusters. A task
-// is then a pair of m-tiles (2j, 2j + 1) and an n-tile; the cluster's first CTA claims it and hands
-// it to the second through a shared-memory mailbox, each CTA computes one of the two tiles, and
-// when both lie in one expert they share its weights through cluster multicast (grouped_gemm.cuh).
-// Minibatches then count pairs (minibatch_rows / 256, at least 1). Dispatching is per cluster.
+// Paired (default; MOK_GEMM_PAIRED=0 turns it off, same bits): CTAs run in 2-CTA clusters; the
+// cluster's first CTA claims a unit and hands it to the second through a shared-memory mailbox.
+// Shared-expert units are pairs of m-tiles (2j, 2j + 1) with one n-tile, sharing the weights through
+// cluster multicast (grouped_gemm.cuh); routed units are two consecutive tasks of one kind, one per
+// CTA, whose rings advance in lockstep. Dispatching is per cluster.
 //
 // Counters live in a per-workspace int32 buffer that the last CTA to finish zeroes again, so a
 // CUDA graph replays it. Every wait has a watchdog (%globaltimer): a stall sets
@@ -37,6 +41,7 @@
 #include <stdlib.h>
 
 #include "barrier.cuh"
+#include "expert_gemm.cuh"
 #include "grouped_gemm.cuh"
 
 namespace mok {
@@ -67,9 +72,10 @@ struct TMaps {
 };
 
 struct Params {
-  gemm::Params g[4];  // by Kind
+  gemm::Params g[2];      // shared gate/up, shared down (token-major)
+  xgemm::Params xg[2];    // routed gate/up, routed down (expert-major): xg[kind - kRoutedUp]
   int shared_mtiles;  // 0: no shared expert
-  int mb_mtiles;      // routed m-tiles per minibatch
+  int mb_chunks;      // routed token chunks per minibatch
   int num_comm;
   int max_mtiles;     // capacity / BM
   int n_counters;
@@ -129,19 +135,26 @@ __device__ __forceinline__ int m_units(int m_tiles) {
   return kPaired ? (m_tiles + 1) / 2 : m_tiles;
 }
 
+// Units of a routed kind in a minibatch of `count` chunks: its tasks one by one, or (paired) two by two.
 template <bool kPaired>
-__device__ __forceinline__ int num_tasks(const Params& p, int mr) {
-  return m_units<kPaired>(p.shared_mtiles) * (p.g[kSharedUp].n_tiles + p.g[kSharedDown].n_tiles) +
-         m_units<kPaired>(mr) * (p.g[kRoutedUp].n_tiles + p.g[kRoutedDown].n_tiles);
+__device__ __forceinline__ int routed_units(const Params& p, int kind, int count) {
+  return m_units<kPaired>(p.xg[kind - kRoutedUp].n_blocks * count);
 }
 
-__device__ __forceinline__ int m_tiles_of(const Params& p, int kind, int mr) {
-  return kind == kSharedUp || kind == kSharedDown ? p.shared_mtiles : mr;
+template <bool kPaired>
+__device__ __forceinline__ int num_tasks(const Params& p, int chunks) {
+  const int shared = m_units<kPaired>(p.shared_mtiles) * (p.g[kSharedUp].n_tiles + p.g[kSharedDown].n_tiles);
+  if (chunks == 0) return shared;
+  const int nb = (chunks + p.mb_chunks - 1) / p.mb_chunks, last = chunks - (nb - 1) * p.mb_chunks;
+  const int per_mb = routed_units<kPaired>(p, kRoutedUp, p.mb_chunks) + routed_units<kPaired>(p, kRoutedDown, p.mb_chunks);
+  return shared + (nb - 1) * per_mb + routed_units<kPaired>(p, kRoutedUp, last) +
+         routed_units<kPaired>(p, kRoutedDown, last);
 }
 
-// Task t (< num_tasks) of the list in the header comment; m is the m-tile or (paired) the pair.
+// Task t (< num_tasks) of the list in the header comment. Shared kinds: m is the m-tile or (paired)
+// the pair, n the n-tile. Routed kinds: m is the minibatch, n the unit inside the kind's part of it.
 template <bool kPaired>
-__device__ __forceinline__ Task decode(const Params& p, int t, int mr) {
+__device__ __forceinline__ Task decode(const Params& p, int t, int chunks) {
   const int n1s = p.g[kSharedUp].n_tiles, n2s = p.g[kSharedDown].n_tiles;
   const int su = m_units<kPaired>(p.shared_mtiles);
   const int s1 = su * n1s, s2 = su * n2s;
@@ -149,17 +162,39 @@ __device__ __forceinline__ Task decode(const Params& p, int t, int mr) {
   t -= s1;
   if (t < s2) return Task{kSharedDown, t / n2s, t % n2s};
   t -= s2;
-  const int n1 = p.g[kRoutedUp].n_tiles, n2 = p.g[kRoutedDown].n_tiles;
-  const int mb = kPaired ? max(1, p.mb_mtiles / 2) : p.mb_mtiles;
-  const int per_mb = mb * (n1 + n2);
-  const int b = t / per_mb;
-  int r = t - b * per_mb;
-  const int m0 = b * mb;
-  const int cnt = min(mb, m_units<kPaired>(mr) - m0);
-  if (r < cnt * n1) return Task{kRoutedUp, m0 + r / n1, r % n1};
-  r -= cnt * n1;
-  return Task{kRoutedDown, m0 + r / n2, r % n2};
+  const int per_mb = routed_units<kPaired>(p, kRoutedUp, p.mb_chunks) + routed_units<kPaired>(p, kRoutedDown, p.mb_chunks);
+  const int b = t / per_mb;  // every minibatch before the last is full
+  const int r = t - b * per_mb;
+  const int u1 = routed_units<kPaired>(p, kRoutedUp, min(p.mb_chunks, chunks - b * p.mb_chunks));
+  return r < u1 ? Task{kRoutedUp, b, r} : Task{kRoutedDown, b, r - u1};
 }
+
+// The expert task of CTA `rank` in routed unit tk (kind, minibatch, unit); false: none (the idle
+// half of an incomplete pair). *chunk: its global chunk index.
+template <bool kPaired>
+__device__ __forceinline__ bool routed_task(const Params& p, const int* prefix, const Task& tk, int rank,
+                                            xgemm::Task* out, int* chunk) {
+  const xgemm::Params& xg = p.xg[tk.kind - kRoutedUp];
+  const int g0 = tk.m * p.mb_chunks;
+  const int count = min(p.mb_chunks, prefix[p.nle] - g0);
+  const int i = kPaired ? 2 * tk.n + rank : tk.n;
+  if (i >= xg.n_blocks * count) return false;
+  *out = xgemm::decode_window(xg, prefix, g0, count, i, chunk);
+  return true;
+}
+
+// The megakernel's ring as expert_gemm.cuh sees it (the same stage layout as grouped_gemm.cuh's).
+struct ExpertRing {
+  const gemm::Smem& sm;
+  __nv_bfloat16* staging_base;
+  __device__ __forceinline__ uint8_t* w(int s) const { return sm.a(s); }
+  __device__ __forceinline__ uint8_t* x(int s) const { return sm.b(s); }
+  __device__ __forceinline__ uint64_t* full(int s) const { return &sm.full[s]; }
+  __device__ __forceinline__ uint64_t* empty(int s) const { return &sm.empty[s]; }
+  __device__ __forceinline__ __nv_bfloat16* staging(int cw) const {
+    return staging_base + cw * (64 * xgemm::kStageStride);
+  }
+};
 
 // Spin until *ctr >= target (acquire), then order the async proxy (TMA) behind it.
 __device__ __forceinline__ void wait_counter(const int* ctr, int target, const Watchdog& w) {
@@ -228,11 +263,11 @@ __device__ __forceinline__ int mailbox_receive(const Mailbox& mb, uint32_t j, co
 }
 
 template <bool kPaired>
-__device__ void producer(const Params& p, const TMaps& tm, const gemm::Smem& sm, volatile int* stage_task,
-                         const Mailbox& mb) {
+__device__ void producer(const Params& p, const TMaps& tm, const gemm::Smem& sm, const ExpertRing& ring,
+                         const int* prefix, volatile int* stage_task, const Mailbox& mb) {
   const Watchdog w = watchdog(p);
-  const int mr = routed_rows(p) / BM;
-  const int total = num_tasks<kPaired>(p, mr);
+  const int chunks = prefix[p.nle];
+  const int total = num_tasks<kPaired>(p, chunks);
   const int rank = kPaired ? static_cast<int>(cluster_ctarank()) : 0;
   uint32_t it = 0;
   for (uint32_t j = 0;; ++j) {
@@ -245,38 +280,60 @@ __device__ void producer(const Params& p, const TMaps& tm, const gemm::Smem& sm,
       t = mailbox_receive(mb, j, w);
     }
     if (t < 0) break;
-    const Task tk = decode<kPaired>(p, t, mr);
-    const int mt = m_tiles_of(p, tk.kind, mr);
+    const Task tk = decode<kPaired>(p, t, chunks);
     long long* rec = (p.timeline != nullptr && rank == 0 && t < p.timeline_tasks) ? timeline_record(p, t) : nullptr;
     if (rec != nullptr) rec[kClaimNs] = static_cast<long long>(globaltimer_ns());
-    // both CTAs wait for both m-tiles of a pair (gate/up tiles arrive once per consumer warpgroup)
-    for (int m = kPaired ? 2 * tk.m : tk.m; m <= (kPaired ? min(2 * tk.m + 1, mt - 1) : tk.m); ++m) {
-      if (tk.kind == kSharedDown) {
-        wait_counter(sup_done_ctr(p, m), 2 * p.g[kSharedUp].n_tiles, w);
-      } else if (tk.kind == kRoutedUp) {
-        wait_counter(ready_ctr(p, m), kUnitsPerTile, w);
-      } else if (tk.kind == kRoutedDown) {
-        wait_counter(up_done_ctr(p, m), 2 * p.g[kRoutedUp].n_tiles, w);
+    if (tk.kind == kSharedUp || tk.kind == kSharedDown) {
+      const int mt = p.shared_mtiles;
+      // both CTAs wait for both m-tiles of a pair (gate/up tiles arrive once per consumer warpgroup)
+      if (tk.kind == kSharedDown)
+        for (int m = kPaired ? 2 * tk.m : tk.m; m <= (kPaired ? min(2 * tk.m + 1, mt - 1) : tk.m); ++m)
+          wait_counter(sup_done_ctr(p, m), 2 * p.g[kSharedUp].n_tiles, w);
+      if (rec != nullptr) {
+        rec[kReadyNs] = static_cast<long long>(globaltimer_ns());
+        rec[kSm] = smid();
+        rec[kKind] = tk.kind;
+        rec[kMUnit] = tk.m;
+        rec[kNTile] = tk.n;
+      }
+      const gemm::Params& g = p.g[tk.kind];
+      // paired, odd m-tile count: the second CTA of the last pair loads a valid block but computes nothing
+      const int m = kPaired ? min(2 * tk.m + rank, mt - 1) : tk.m;
+      const bool pair_complete = 2 * tk.m + 1 < mt;
+      const int tile = m * g.n_tiles + tk.n;
+      if (tk.kind == kSharedUp)
+        gemm::produce_tile<true, true, kPaired>(g, &tm.a[tk.kind], &tm.b[tk.kind], sm, tile, it, &w, stage_task, t,
+                                                pair_complete);
+      else
+        gemm::produce_tile<false, true, kPaired>(g, &tm.a[tk.kind], &tm.b[tk.kind], sm, tile, it, &w, stage_task, t,
+                                                 pair_complete);
+      continue;
+    }
+    // routed: this CTA's expert task; the idle half of an incomplete pair loads its partner's blocks
+    xgemm::Task xt;
+    int chunk = 0;
+    const bool own = routed_task<kPaired>(p, prefix, tk, rank, &xt, &chunk);
+    if (!own) routed_task<kPaired>(p, prefix, tk, 0, &xt, &chunk);
+    const xgemm::Params& xg = p.xg[tk.kind - kRoutedUp];
+    if (own) {
+      if (tk.kind == kRoutedUp) {  // the chunk's rows dispatched (all 128-row m-tiles they touch)
+        for (int m = xt.row0 / BM; m <= (xt.row0 + xt.n_tok - 1) / BM; ++m)
+          wait_counter(ready_ctr(p, m), kUnitsPerTile, w);
+      } else {  // the chunk's act rows: every gate/up block, once per consumer warpgroup
+        wait_counter(up_done_ctr(p, chunk), 2 * p.xg[0].n_blocks, w);
       }
     }
     if (rec != nullptr) {
       rec[kReadyNs] = static_cast<long long>(globaltimer_ns());
       rec[kSm] = smid();
       rec[kKind] = tk.kind;
-      rec[kMUnit] = tk.m;
-      rec[kNTile] = tk.n;
+      rec[kMUnit] = chunk;
+      rec[kNTile] = xt.block;
     }
-    const gemm::Params& g = p.g[tk.kind];
-    // paired, odd m-tile count: the second CTA of the last pair loads a valid block but computes nothing
-    const int m = kPaired ? min(2 * tk.m + rank, mt - 1) : tk.m;
-    const bool pair_complete = 2 * tk.m + 1 < mt;
-    const int tile = m * g.n_tiles + tk.n;
-    if (tk.kind == kSharedUp || tk.kind == kRoutedUp)
-      gemm::produce_tile<true, true, kPaired>(g, &tm.a[tk.kind], &tm.b[tk.kind], sm, tile, it, &w, stage_task, t,
-                                              pair_complete);
+    if (tk.kind == kRoutedUp)
+      xgemm::produce_task<true, true>(xg, &tm.a[tk.kind], &tm.b[tk.kind], ring, xt, it, &w, stage_task, t);
     else
-      gemm::produce_tile<false, true, kPaired>(g, &tm.a[tk.kind], &tm.b[tk.kind], sm, tile, it, &w, stage_task, t,
-                                               pair_complete);
+      xgemm::produce_task<false, true>(xg, &tm.a[tk.kind], &tm.b[tk.kind], ring, xt, it, &w, stage_task, t);
   }
   // Sentinel: the consumers stop at a stage tagged -1 (armed without bytes).
   const int s = it % kStages;
@@ -287,8 +344,8 @@ __device__ void producer(const Params& p, const TMaps& tm, const gemm::Smem& sm,
 
 // The push queue: consumer warpgroups claim slots in order (tail), wait until the pushers freed
 // them, write the request and arrive on full[slot]; the pusher warps take slots in the same order.
-// A request {m, n, cw, row_limit}: rows [m * BM + 64 cw, + 64) x columns [n * BN, + BN) of y;
-// m < 0: the warpgroup is done (sentinel).
+// A request {row0, rows, col0, -}: rows [row0, row0 + rows) x columns [col0, col0 + 64) of y (a
+// consumer warpgroup's part of a routed down task); row0 < 0: the warpgroup is done (sentinel).
 struct PushQueue {
   volatile int4* req;  // [kPushSlots]
   uint64_t* full;      // [kPushSlots], 1 arrival (the consumer warpgroup's leader)
@@ -308,29 +365,28 @@ __device__ __forceinline__ void push_enqueue(const PushQueue& q, int4 r, const W
 }
 
 // Pusher warp `warp` (0..kPusherWarps-1) copies its share of a request's rows into the combine
-// slots: kPushBatch rows at a time, loads first, then the (peer) stores.
+// slots: 4 rows per warp instruction (8 lanes x 16 bytes = a row's 64 columns), kPushBatch of those
+// in flight, loads first, then the (peer) stores.
 __device__ __forceinline__ void push_request(const Params& p, int4 r, int warp, int lane) {
-  const int m = r.x, n = r.y, cw = r.z, row_limit = r.w;
-  const int c0 = n * BN;
-  const int n16 = min(BN, p.H - c0) / 8;
-  const int row0 = m * BM + cw * (BM / 2);
-  const __nv_bfloat16* y = p.g[kRoutedDown].out;
-  for (int i0 = warp * kPushBatch; i0 < BM / 2; i0 += kPusherWarps * kPushBatch) {
+  const int row0 = r.x, rows = r.y, c0 = r.z;
+  const int n16 = min(64, p.H - c0) / 8;
+  const int sub = lane / 8, v = lane % 8;
+  const __nv_bfloat16* y = p.xg[1].out;
+  for (int i0 = warp * 4 * kPushBatch; i0 < rows; i0 += kPusherWarps * 4 * kPushBatch) {
     int src[kPushBatch], slot[kPushBatch];
-    uint4 v[kPushBatch];
+    uint4 val[kPushBatch];
 #pragma unroll
     for (int j = 0; j < kPushBatch; ++j) {
-      const int row = row0 + i0 + j;
-      src[j] = (i0 + j < BM / 2 && row < row_limit) ? p.row_src_rank[row] : -1;
+      const int i = i0 + 4 * j + sub, row = row0 + i;
+      src[j] = (i < rows && v < n16) ? p.row_src_rank[row] : -1;
       slot[j] = src[j] >= 0 ? p.row_src_slot[row] : 0;
-      if (src[j] >= 0 && lane < n16)
-        v[j] = __ldcg(reinterpret_cast<const uint4*>(y + static_cast<int64_t>(row) * p.H + c0) + lane);
+      if (src[j] >= 0) val[j] = __ldcg(reinterpret_cast<const uint4*>(y + static_cast<int64_t>(row) * p.H + c0) + v);
     }
 #pragma unroll
     for (int j = 0; j < kPushBatch; ++j)
-      if (src[j] >= 0 && lane < n16)
-        st16(static_cast<__nv_bfloat16*>(p.comb_bufs.p[src[j]]) + static_cast<int64_t>(slot[j]) * p.H + c0 + lane * 8,
-             v[j]);
+      if (src[j] >= 0)
+        st16(static_cast<__nv_bfloat16*>(p.comb_bufs.p[src[j]]) + static_cast<int64_t>(slot[j]) * p.H + c0 + v * 8,
+             val[j]);
   }
 }
 
@@ -373,12 +429,12 @@ __device__ void pushers(const Params& p, const PushQueue& q, volatile int* s_mis
 // barriers, separate counter arrivals, separate sentinels), so a watchdog exit of one cannot strand
 // the other; inside a warpgroup every barrier is reached by all 128 threads in the same order.
 template <bool kPaired>
-__device__ void consumer(const Params& p, const gemm::Smem& sm, const volatile int* stage_task, int cw,
-                         volatile int* s_misc, const PushQueue& q) {
+__device__ void consumer(const Params& p, const gemm::Smem& sm, const ExpertRing& ring, const int* prefix,
+                         const volatile int* stage_task, int cw, volatile int* s_misc, const PushQueue& q) {
   const Watchdog w = watchdog(p);
   const int bar = 2 + cw;
   const bool leader = threadIdx.x % 128 == 0;
-  const int mr = routed_rows(p) / BM;
+  const int chunks = prefix[p.nle];
   const int rank = kPaired ? static_cast<int>(cluster_ctarank()) : 0;
   float acc[128];
   uint32_t it = 0;
@@ -391,29 +447,51 @@ __device__ void consumer(const Params& p, const gemm::Smem& sm, const volatile i
     long long* rec = (p.timeline != nullptr && rank == 0 && cw == 0 && leader && t < p.timeline_tasks)
                          ? timeline_record(p, t) : nullptr;
     if (rec != nullptr) rec[kStartNs] = static_cast<long long>(globaltimer_ns());
-    const Task tk = decode<kPaired>(p, t, mr);
-    const gemm::Params& g = p.g[tk.kind];
-    const int mt = m_tiles_of(p, tk.kind, mr);
-    const int m = kPaired ? 2 * tk.m + rank : tk.m;
-    const bool own = m < mt;  // paired, odd m-tile count: the last pair has one tile
-    const int tile = min(m, mt - 1) * g.n_tiles + tk.n;
-    const bool active = own && gemm::half_active(g, tile, cw);
-    gemm::mma_tile<true, kPaired>(g, sm, cw, acc, it, active, &w);
-    if (!own) continue;
-    const int row_limit = gemm::rows_total(g);
-    if (tk.kind == kSharedUp || tk.kind == kRoutedUp) {
-      gemm::store_tile<true>(g, tile, cw, acc, row_limit, active);
-      // The down tiles of this m-tile read these rows through TMA in other CTAs.
-      fence_proxy_async_global();
-      __threadfence();
-      warpgroup_bar_sync(bar);
-      if (leader) red_release_gpu_add(tk.kind == kRoutedUp ? up_done_ctr(p, m) : sup_done_ctr(p, m), 1);
+    const Task tk = decode<kPaired>(p, t, chunks);
+    if (tk.kind == kSharedUp || tk.kind == kSharedDown) {
+      const gemm::Params& g = p.g[tk.kind];
+      const int mt = p.shared_mtiles;
+      const int m = kPaired ? 2 * tk.m + rank : tk.m;
+      const bool own = m < mt;  // paired, odd m-tile count: the last pair has one tile
+      const int tile = min(m, mt - 1) * g.n_tiles + tk.n;
+      const bool active = own && gemm::half_active(g, tile, cw);
+      gemm::mma_tile<true, kPaired>(g, sm, cw, acc, it, active, &w);
+      if (!own) continue;
+      const int row_limit = gemm::rows_total(g);
+      if (tk.kind == kSharedUp) {
+        gemm::store_tile<true>(g, tile, cw, acc, row_limit, active);
+        // The down tiles of this m-tile read these rows through TMA in other CTAs.
+        fence_proxy_async_global();
+        __threadfence();
+        warpgroup_bar_sync(bar);
+        if (leader) red_release_gpu_add(sup_done_ctr(p, m), 1);
+      } else {
+        gemm::store_tile<false>(g, tile, cw, acc, row_limit, active);
+      }
     } else {
-      gemm::store_tile<false>(g, tile, cw, acc, row_limit, active);
-      if (tk.kind == kRoutedDown) {
+      xgemm::Task xt;
+      int chunk = 0;
+      const xgemm::Params& xg = p.xg[tk.kind - kRoutedUp];
+      if (!routed_task<kPaired>(p, prefix, tk, rank, &xt, &chunk)) {
+        xgemm::skip_task<true, kPaired>(xg, ring, it, &w);
+        continue;
+      }
+      xgemm::mma_task_any<true, kPaired>(xg, ring, cw, acc, it, xt.n_tok, &w);
+      // decoded again: keeping the task live through the main loop costs registers
+      routed_task<kPaired>(p, prefix, tk, rank, &xt, &chunk);
+      if (tk.kind == kRoutedUp) {
+        xgemm::store_task<true>(xg, ring, xt, cw, acc);
+        // The down tasks of this chunk read these rows through TMA in other CTAs.
+        fence_proxy_async_global();
+        __threadfence();
+        warpgroup_bar_sync(bar);
+        if (leader) red_release_gpu_add(up_done_ctr(p, chunk), 1);
+      } else {
+        xgemm::store_task<false>(xg, ring, xt, cw, acc);
         __threadfence_block();    // the pushers (other warps of this CTA) read these rows of y
-        warpgroup_bar_sync(bar);  // the warpgroup's 64 rows of y are written
-        if (leader) push_enqueue(q, make_int4(m, tk.n, cw, row_limit), w);
+        warpgroup_bar_sync(bar);  // the warpgroup's columns of y are written
+        if (leader && xt.n_real > 0)
+          push_enqueue(q, make_int4(xt.row0, xt.n_real, xt.block * xgemm::WM + cw * 64, 0), w);
       }
     }
     if (rec != nullptr) rec[kEndNs] = static_cast<long long>(globaltimer_ns());
@@ -432,6 +510,7 @@ template <bool kPaired>
 __global__ void __launch_bounds__(kThreads, 1)
     megakernel(const __grid_constant__ TMaps tm, const __grid_constant__ Params p) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
+  __shared__ int chunk_prefix[xgemm::kMaxSeg + 1];  // routed token chunks of the experts before e
   const gemm::Smem sm = gemm::carve_smem(smem_raw);
   volatile int* stage_task = reinterpret_cast<volatile int*>(sm.empty + kStages);  // [kStages]
   volatile int* s_misc = stage_task + kStages;  // [0] role, [1] producer done, [2 + cw] last party
@@ -439,6 +518,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* push_bars = mb.full + kMailbox;  // full [kPushSlots], empty [kPushSlots]
   const PushQueue q{reinterpret_cast<volatile int4*>(push_bars + 2 * kPushSlots), push_bars, push_bars + kPushSlots,
                     const_cast<int*>(s_misc + 3)};
+  const ExpertRing ring{sm, reinterpret_cast<__nv_bfloat16*>(const_cast<int4*>(q.req + kPushSlots))};
+  if (threadIdx.x >= 32 && threadIdx.x < 64) xgemm::build_chunk_prefix(p.xg[0], chunk_prefix);
   const int rank = kPaired ? static_cast<int>(cluster_ctarank()) : 0;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -483,23 +564,25 @@ __global__ void __launch_bounds__(kThreads, 1)
         tma_prefetch_desc(&tm.a[i]);
         tma_prefetch_desc(&tm.b[i]);
       }
-      producer<kPaired>(p, tm, sm, stage_task, mb);
+      producer<kPaired>(p, tm, sm, ring, chunk_prefix, stage_task, mb);
       s_misc[1] = 1;
     } else if (threadIdx.x >= 32) {
       pushers(p, q, s_misc);
     }
   } else {
     setmaxnreg_inc<224>();
-    consumer<kPaired>(p, sm, stage_task, wg - 1, s_misc, q);
+    consumer<kPaired>(p, sm, ring, chunk_prefix, stage_task, wg - 1, s_misc, q);
   }
   // paired: no CTA leaves while its peer may still multicast into it or arrive on its barriers
   if constexpr (kPaired) cluster_sync();
 }
 
 // + stage tags [kStages], flags [4], mailbox [kMailbox] ints, mailbox barriers [kMailbox], push
-// queue barriers [2 kPushSlots] and requests [kPushSlots] (int4)
-constexpr int kMegaSmemBytes =
-    gemm::kSmemBytes + 4 * (kStages + 4 + kMailbox) + 8 * (kMailbox + 2 * kPushSlots) + 16 * kPushSlots;
+// queue barriers [2 kPushSlots] and requests [kPushSlots] (int4), the expert GEMM's epilogue staging
+constexpr int kMegaSmemBytes = gemm::kSmemBytes + 4 * (kStages + 4 + kMailbox) + 8 * (kMailbox + 2 * kPushSlots) +
+                               16 * kPushSlots + 2 * xgemm::kStageBytesPerWG;
+static_assert((4 * (kStages + 4 + kMailbox) + 8 * (kMailbox + 2 * kPushSlots)) % 16 == 0,
+              "the staging tiles (after the push requests) need 16-byte alignment");
 static_assert((kStages + 4 + kMailbox) % 2 == 0, "the mailbox barriers need 8-byte alignment");
 
 inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
@@ -563,14 +646,15 @@ const char* launch_megakernel(const MegaArgs& a, cudaStream_t stream) {
     p.g[kSharedDown] = gemm::make_params(nullptr, nullptr, 1, T, Is, H, H, false, a.shared_y, nullptr);
     p.shared_mtiles = ceil_div(T, BM);
   }
-  if (const char* m = make_tmap_bf16_2d(&tm.a[kRoutedUp], a.x_routed, cap, H, H, BM)) return m;
-  if (const char* m = make_tmap_bf16_2d(&tm.b[kRoutedUp], a.fc1, (uint64_t)a.nle * 2 * I, H, H, BN / 2)) return m;
-  if (const char* m = make_tmap_bf16_2d(&tm.a[kRoutedDown], a.act, cap, I, I, BM)) return m;
-  if (const char* m = make_tmap_bf16_2d(&tm.b[kRoutedDown], a.fc2, (uint64_t)a.nle * H, I, I, BN / 2)) return m;
-  p.g[kRoutedUp] = gemm::make_params(a.expert_offsets, a.expert_counts, a.nle, cap, H, I, 2 * I, true, a.act, a.h);
-  p.g[kRoutedDown] = gemm::make_params(a.expert_offsets, a.expert_counts, a.nle, cap, I, H, H, false,
-                                       a.y_routed, nullptr);
-  p.mb_mtiles = a.minibatch_rows / BM;
+  // routed kinds (expert-major): a = the weights (wgmma's A, M side), b = the token rows (N side)
+  if (a.nle > xgemm::kMaxSeg) return "mok megakernel: at most 512 local experts";
+  if (const char* m = make_tmap_gate_up_pairs(&tm.a[kRoutedUp], a.fc1, a.nle, I, H)) return m;
+  if (const char* m = make_tmap_bf16_2d(&tm.b[kRoutedUp], a.x_routed, cap, H, H, xgemm::kXBox)) return m;
+  if (const char* m = make_tmap_bf16_2d(&tm.a[kRoutedDown], a.fc2, (uint64_t)a.nle * H, I, I, xgemm::WM)) return m;
+  if (const char* m = make_tmap_bf16_2d(&tm.b[kRoutedDown], a.act, cap, I, I, xgemm::kXBox)) return m;
+  p.xg[0] = xgemm::make_params(a.expert_offsets, a.expert_counts, a.nle, cap, H, I, true, a.act, a.h);
+  p.xg[1] = xgemm::make_params(a.expert_offsets, a.expert_counts, a.nle, cap, I, H, false, a.y_routed, nullptr);
+  p.mb_chunks = std::max(1, a.minibatch_rows / xgemm::kMaxTok);
   p.num_comm = a.num_comm;
   p.max_mtiles = cap / BM;
   p.n_counters = static_cast<int>(megakernel_counter_ints(cap, T));
