@@ -12,8 +12,8 @@ Backends (same inputs, same weights, bf16, one shared expert of size Is = I):
             forward is the persistent megakernel unless MOK_FORWARD=staged)
   mok_staged  the same with the stage-2 forward launches (kernel_path.FORWARD_PATH = "staged")
   mok@F=V+F=V  mok with MoKConfig fields set, e.g. mok@fwd_comm_sms=8+minibatch_rows=2048 (knobs: same bits)
-  mok_ab    mok with the kernel environment variable of --ab-env (e.g. MOK_GEMM_PAIRED=0: the GEMMs
-            without 2-CTA clusters); the kernels' A/B switches keep the bits, which is checked
+  mok_ab    mok with the kernel environment variable of --ab-env (default MOK_GEMM_EXPERT=0: the
+            staged routed GEMMs token-major); the kernels' A/B switches keep the bits, which is checked
   mok%NAME=VALUE  the same for any MOK_ kernel switch, several per run (e.g. mok%MOK_GEMM_PAIRED=0)
   mok_recompute  mok with MoKConfig(save_gate_up=False): the forward keeps no gate/up outputs and
             the backward recomputes them (the activation-checkpointing memory mode)
@@ -80,7 +80,7 @@ from megatron_mok.shapes import MOE_SHAPES  # noqa: E402
 SHAPES = {name: (s.num_experts, s.hidden, s.ffn, s.topk) for name, s in MOE_SHAPES.items()}
 BACKENDS = ("mok", "mok_staged", "mok_recompute", "mok_ab", "alltoall", "symm_a2a")
 BWD_BACKENDS = ("mok", "mok_recompute", "mok_ab", "alltoall", "symm_a2a")
-AB_ENV = ("MOK_GEMM_PAIRED", "0")  # --ab-env
+AB_ENV = ("MOK_GEMM_EXPERT", "0")  # --ab-env
 
 
 _T0 = time.time()
@@ -977,7 +977,7 @@ def main() -> None:
             argv=sys.argv, torch=torch.__version__, cuda=torch.version.cuda, gpu=gpu, ep=ep, pass_=args.pass_,
             date=datetime.date.today().isoformat(), matmul_8192_tflops=roof, seconds=time.time() - t0,
             env={k: os.environ.get(k) for k in (*NO_MULTICAST_ENV, "MOK_FORWARD", "MOK_BACKWARD", "MOK_GEMM_SKIP_PAD",
-                                                "MOK_GEMM_PAIRED", "MOK_BWD_OVERLAP")},
+                                                "MOK_GEMM_PAIRED", "MOK_GEMM_EXPERT", "MOK_BWD_OVERLAP")},
             results=sorted(old.values(), key=lambda r: (r["shape"], r["tokens"], r["backend"])))
         if os.environ.get("MOK_BENCH_NOTE"):
             doc["note"] = os.environ["MOK_BENCH_NOTE"]

@@ -275,15 +275,6 @@ __device__ __forceinline__ void tma_load_2d_multicast(void* smem_dst, const CUte
       : "memory");
 }
 
-__device__ __forceinline__ void tma_load_4d_multicast(void* smem_dst, const CUtensorMap* map, uint64_t* bar, int c0,
-                                                      int c1, int c2, int c3, uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, "
-      "%3, %4, %5}], [%6], %7;" ::"r"(smem_u32(smem_dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(bar)), "h"(cta_mask)
-      : "memory");
-}
-
 // ---- thread-block clusters --------------------------------------------------------------------
 
 __device__ __forceinline__ uint32_t cluster_ctarank() {
@@ -452,15 +443,15 @@ inline const char* make_tmap_bf16_2d(CUtensorMap* map, const void* base, uint64_
 }
 
 // Gate/up weights [nseg * 2 n, k] (per expert: n gate rows, then n up rows) seen as 4D
-// {k, 8 rows, gate|up, 8-row block}: a box {64, 8, 2, pairs} is 64 K-columns of `pairs` pairs
-// [8 gate rows; the same 8 up rows], 16 pairs rows in shared memory. The block count stops n rows short
+// {k, 8 rows, gate|up, 8-row block}: a box {64, 8, 2, 8} is 64 K-columns of eight pairs
+// [8 gate rows; the same 8 up rows], 128 rows in shared memory. The block count stops n rows short
 // of the end, so that no in-bounds coordinate addresses past the tensor (blocks past it read zeros).
 inline const char* make_tmap_gate_up_pairs(CUtensorMap* map, const void* base, uint64_t nseg, uint64_t n,
-                                           uint64_t k, uint32_t pairs = 8) {
+                                           uint64_t k) {
   if (n % 8) return "mok: the gate/up pair map needs n a multiple of 8";
   const cuuint64_t dims[4] = {k, 8, 2, (nseg * 2 * n - n) / 8};
   const cuuint64_t strides[3] = {k * 2, n * k * 2, 8 * k * 2};
-  const cuuint32_t box[4] = {64, 8, 2, pairs};
+  const cuuint32_t box[4] = {64, 8, 2, 8};
   return encode_tmap_bf16(map, base, 4, dims, strides, box);
 }
 

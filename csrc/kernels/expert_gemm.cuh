@@ -176,22 +176,14 @@ __device__ __forceinline__ Task decode_window(const Params& p, const int* prefix
 
 // ---- the ring ------------------------------------------------------------------------------------
 
-// What the two CTAs of a megakernel cluster share (their tasks are of one expert and kind): the
-// weight block (two chunks of it), the token chunk (two blocks of it), or nothing.
-enum Share : int { kShareNone = 0, kShareW = 1, kShareX = 2 };
-
 // Producer thread: the weight tile and the task's token rows, K block by K block. `Ring` gives the
 // stages (w(s), x(s): the token-major ring's a(s), b(s) layout) and their barriers (full(s),
 // empty(s)). Megakernel (kWatch): waits under the watchdog, and `tag` goes to stage_tag[s] of the
-// task's first stage before it is armed. Shared operands (clusters of 2): each CTA loads half of it
-// (tmWhalf: the weight map with half the box) and multicasts it into both CTAs' stages, so it
-// leaves L2 once; both CTAs expect the full stage bytes.
+// task's first stage before it is armed.
 template <bool kSwiGLU, bool kWatch = false, class Ring>
 __device__ __forceinline__ void produce_task(const Params& p, const CUtensorMap* tmW, const CUtensorMap* tmX,
                                              const Ring& sm, const Task& t, uint32_t& it, const Watchdog* w = nullptr,
-                                             volatile int* stage_tag = nullptr, int tag = 0, int share = kShareNone,
-                                             const CUtensorMap* tmWhalf = nullptr) {
-  const int half = share != kShareNone ? static_cast<int>(cluster_ctarank()) : 0;
+                                             volatile int* stage_tag = nullptr, int tag = 0) {
   const int nk = (p.K + BK - 1) / BK;
   const int nbox = (t.n_tok + kXBox - 1) / kXBox;
   // SwiGLU: the 4D map's outer coordinate counts 8-row blocks of the gate half
@@ -201,26 +193,12 @@ __device__ __forceinline__ void produce_task(const Params& p, const CUtensorMap*
     gemm::ring_wait<kWatch>(sm.empty(s), ((it / kStages) & 1) ^ 1, w);
     if (stage_tag != nullptr && kb == 0) stage_tag[s] = tag;
     mbar_arrive_expect_tx(sm.full(s), kWBytes + nbox * kXBox * BK * 2);
-    if (share == kShareW) {
-      if constexpr (kSwiGLU)  // 4 of the 8 [gate; up] pairs
-        tma_load_4d_multicast(sm.w(s) + half * (kWBytes / 2), tmWhalf, sm.full(s), kb * BK, 0, 0, wcoord + 4 * half,
-                              0x3);
-      else
-        tma_load_2d_multicast(sm.w(s) + half * (kWBytes / 2), tmWhalf, sm.full(s), kb * BK, wcoord + (WM / 2) * half,
-                              0x3);
-    } else if constexpr (kSwiGLU) {
+    if constexpr (kSwiGLU)
       tma_load_4d(sm.w(s), tmW, sm.full(s), kb * BK, 0, 0, wcoord);
-    } else {
+    else
       tma_load_2d(sm.w(s), tmW, sm.full(s), kb * BK, wcoord);
-    }
-    for (int i = 0; i < nbox; ++i) {
-      if (share == kShareX) {  // boxes alternate between the two CTAs
-        if (i % 2 == half)
-          tma_load_2d_multicast(sm.x(s) + i * kXBox * 128, tmX, sm.full(s), kb * BK, t.row0 + i * kXBox, 0x3);
-      } else {
-        tma_load_2d(sm.x(s) + i * kXBox * 128, tmX, sm.full(s), kb * BK, t.row0 + i * kXBox);
-      }
-    }
+    for (int i = 0; i < nbox; ++i)
+      tma_load_2d(sm.x(s) + i * kXBox * 128, tmX, sm.full(s), kb * BK, t.row0 + i * kXBox);
   }
 }
 
@@ -435,13 +413,6 @@ inline Params make_params(const int* seg_offsets, const int* seg_counts, int nse
   p.out = static_cast<__nv_bfloat16*>(out);
   p.pre_out = swiglu ? static_cast<__nv_bfloat16*>(pre_out) : nullptr;
   return p;
-}
-
-// MOK_XGEMM_MULTICAST=0: the megakernel's clusters load shared routed operands twice (A/B timing;
-// read per launch; same bits).
-inline int multicast_enabled() {
-  const char* v = getenv("MOK_XGEMM_MULTICAST");
-  return (v != nullptr && v[0] == '0') ? 0 : 1;
 }
 
 // MOK_GEMM_EXPERT=0: routed GEMMs run token-major (grouped_gemm.cuh) instead (read per launch).

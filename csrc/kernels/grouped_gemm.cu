@@ -168,7 +168,7 @@ const char* launch_grouped_gemm(bool swiglu, const void* A, int64_t a_rows, int 
   const gemm::Params p = gemm::make_params(seg_offsets, seg_counts, nseg, static_cast<int>(a_rows), K, N,
                                            b_rows_per_seg, swiglu, out, pre_out);
   const int m_tiles = static_cast<int>((a_rows + gemm::BM - 1) / gemm::BM);
-  if (gemm::pairing_enabled()) {
+  if (gemm::pairing_enabled(true)) {
     const int units = (m_tiles + 1) / 2 * p.n_tiles;
     return swiglu ? launch<true, true>(tmA, tmB, p, units, num_ctas, stream)
                   : launch<false, true>(tmA, tmB, p, units, num_ctas, stream);

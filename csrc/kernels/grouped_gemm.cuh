@@ -279,9 +279,9 @@ __device__ __forceinline__ void store_tile(const Params& p, int tile, int cw, co
 
 // ---- host side ---------------------------------------------------------------------------------
 
-// MOK_GEMM_SKIP_PAD=0 computes padding rows too; MOK_GEMM_PAIRED=0 runs one CTA per tile without
-// clusters. Both give the same bits (A/B timing, fallbacks); the pairing switch is read per launch
-// (the tests flip it).
+// MOK_GEMM_SKIP_PAD=0 computes padding rows too; MOK_GEMM_PAIRED=0 / 1 runs without / with 2-CTA
+// clusters (unset: the kernel's default). All give the same bits (A/B timing, fallbacks); the
+// pairing switch is read per launch (the tests flip it).
 inline int skip_padding_enabled() {
   static const int on = [] {
     const char* v = getenv("MOK_GEMM_SKIP_PAD");
@@ -290,9 +290,9 @@ inline int skip_padding_enabled() {
   return on;
 }
 
-inline bool pairing_enabled() {
+inline bool pairing_enabled(bool by_default) {
   const char* v = getenv("MOK_GEMM_PAIRED");
-  return !(v != nullptr && v[0] == '0');
+  return v == nullptr || v[0] == 0 ? by_default : v[0] != '0';
 }
 
 // The GEMM over `nseg` segments (seg_offsets null: one segment of a_rows rows), K-major B of

@@ -29,7 +29,7 @@
 // staged grouped GEMMs, and the dispatch and combine copy values unchanged, so the results do not
 // depend on num_comm, the grid size or minibatch_rows (tested bitwise against the staged path).
 //
-// Paired (default; MOK_GEMM_PAIRED=0 turns it off, same bits): CTAs run in 2-CTA clusters; the
+// Paired (MOK_GEMM_PAIRED=1; the default is unpaired, same bits): CTAs run in 2-CTA clusters; the
 // cluster's first CTA claims a unit and hands it to the second through a shared-memory mailbox.
 // Shared-expert units are pairs of m-tiles (2j, 2j + 1) with one n-tile, sharing the weights through
 // cluster multicast (grouped_gemm.cuh); routed units are two consecutive tasks of one kind, one per
@@ -67,9 +67,8 @@ enum Counter : int { kTicket = 0, kRole = 1, kExit = 2, kAbort = 3, kHeader = 4 
 enum Kind : int { kSharedUp = 0, kSharedDown = 1, kRoutedUp = 2, kRoutedDown = 3 };
 
 struct TMaps {
-  CUtensorMap a[4];       // by Kind
+  CUtensorMap a[4];  // by Kind
   CUtensorMap b[4];
-  CUtensorMap w_half[2];  // routed gate/up, down: the weight maps with half the box (cluster multicast)
 };
 
 struct Params {
@@ -77,7 +76,6 @@ struct Params {
   xgemm::Params xg[2];    // routed gate/up, routed down (expert-major): xg[kind - kRoutedUp]
   int shared_mtiles;  // 0: no shared expert
   int mb_chunks;      // routed token chunks per minibatch
-  int share_operands; // paired routed tasks multicast the operand they share (MOK_XGEMM_MULTICAST)
   int num_comm;
   int max_mtiles;     // capacity / BM
   int n_counters;
@@ -317,13 +315,6 @@ __device__ void producer(const Params& p, const TMaps& tm, const gemm::Smem& sm,
     const bool own = routed_task<kPaired>(p, prefix, tk, rank, &xt, &chunk);
     if (!own) routed_task<kPaired>(p, prefix, tk, 0, &xt, &chunk);
     const xgemm::Params& xg = p.xg[tk.kind - kRoutedUp];
-    int share = xgemm::kShareNone;  // both CTAs hold tasks of one expert: multicast what they share
-    if (kPaired && own && p.share_operands) {
-      xgemm::Task pt;
-      int pchunk = 0;
-      if (routed_task<kPaired>(p, prefix, tk, rank ^ 1, &pt, &pchunk) && pt.seg == xt.seg)
-        share = pt.block == xt.block ? xgemm::kShareW : (pt.row0 == xt.row0 ? xgemm::kShareX : xgemm::kShareNone);
-    }
     if (own) {
       if (tk.kind == kRoutedUp) {  // the chunk's rows dispatched (all 128-row m-tiles they touch)
         for (int m = xt.row0 / BM; m <= (xt.row0 + xt.n_tok - 1) / BM; ++m)
@@ -340,11 +331,9 @@ __device__ void producer(const Params& p, const TMaps& tm, const gemm::Smem& sm,
       rec[kNTile] = xt.block;
     }
     if (tk.kind == kRoutedUp)
-      xgemm::produce_task<true, true>(xg, &tm.a[tk.kind], &tm.b[tk.kind], ring, xt, it, &w, stage_task, t, share,
-                                      &tm.w_half[0]);
+      xgemm::produce_task<true, true>(xg, &tm.a[tk.kind], &tm.b[tk.kind], ring, xt, it, &w, stage_task, t);
     else
-      xgemm::produce_task<false, true>(xg, &tm.a[tk.kind], &tm.b[tk.kind], ring, xt, it, &w, stage_task, t, share,
-                                       &tm.w_half[1]);
+      xgemm::produce_task<false, true>(xg, &tm.a[tk.kind], &tm.b[tk.kind], ring, xt, it, &w, stage_task, t);
   }
   // Sentinel: the consumers stop at a stage tagged -1 (armed without bytes).
   const int s = it % kStages;
@@ -575,10 +564,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         tma_prefetch_desc(&tm.a[i]);
         tma_prefetch_desc(&tm.b[i]);
       }
-      if constexpr (kPaired) {
-        tma_prefetch_desc(&tm.w_half[0]);
-        tma_prefetch_desc(&tm.w_half[1]);
-      }
       producer<kPaired>(p, tm, sm, ring, chunk_prefix, stage_task, mb);
       s_misc[1] = 1;
     } else if (threadIdx.x >= 32) {
@@ -667,12 +652,9 @@ const char* launch_megakernel(const MegaArgs& a, cudaStream_t stream) {
   if (const char* m = make_tmap_bf16_2d(&tm.b[kRoutedUp], a.x_routed, cap, H, H, xgemm::kXBox)) return m;
   if (const char* m = make_tmap_bf16_2d(&tm.a[kRoutedDown], a.fc2, (uint64_t)a.nle * H, I, I, xgemm::WM)) return m;
   if (const char* m = make_tmap_bf16_2d(&tm.b[kRoutedDown], a.act, cap, I, I, xgemm::kXBox)) return m;
-  if (const char* m = make_tmap_gate_up_pairs(&tm.w_half[0], a.fc1, a.nle, I, H, 4)) return m;
-  if (const char* m = make_tmap_bf16_2d(&tm.w_half[1], a.fc2, (uint64_t)a.nle * H, I, I, xgemm::WM / 2)) return m;
   p.xg[0] = xgemm::make_params(a.expert_offsets, a.expert_counts, a.nle, cap, H, I, true, a.act, a.h);
   p.xg[1] = xgemm::make_params(a.expert_offsets, a.expert_counts, a.nle, cap, I, H, false, a.y_routed, nullptr);
   p.mb_chunks = std::max(1, a.minibatch_rows / xgemm::kMaxTok);
-  p.share_operands = xgemm::multicast_enabled();
   p.num_comm = a.num_comm;
   p.max_mtiles = cap / BM;
   p.n_counters = static_cast<int>(megakernel_counter_ints(cap, T));
@@ -695,7 +677,9 @@ const char* launch_megakernel(const MegaArgs& a, cudaStream_t stream) {
   p.flags = a.flags;
   p.timeline = g_timeline;
   p.timeline_tasks = g_timeline_tasks;
-  return gemm::pairing_enabled() ? launch<true>(tm, p, a.num_comm, a.num_compute, stream)
+  // unpaired by default: a cluster's rings advance in lockstep, and for two different expert tasks
+  // that costs more (6-7%, device call 3) than the shared expert's multicast saves
+  return gemm::pairing_enabled(false) ? launch<true>(tm, p, a.num_comm, a.num_compute, stream)
                 : launch<false>(tm, p, a.num_comm, a.num_compute, stream);
 }
 

@@ -255,22 +255,21 @@ def test_megakernel_bitwise_equals_staged(kind, shape):
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_gemm_pairing_changes_no_bit(shape, monkeypatch):
-    """Megakernel and staged forward without 2-CTA clusters (MOK_GEMM_PAIRED=0), and paired without
-    the routed tasks' operand multicast (MOK_XGEMM_MULTICAST=0), give the bits of the paired default
-    (skewed routing: pairs inside one expert, pairs across experts, odd m-tile counts)."""
+    """Megakernel and staged forward with and without 2-CTA clusters (MOK_GEMM_PAIRED=1 / 0) give the
+    same bits (skewed routing: pairs inside one expert, pairs across experts, odd m-tile counts)."""
     cfg, ws, top, inputs, _ = make_case(shape, "skewed", 5 * sum(shape), DEV)
     sched = _kp().build_schedule(cfg, ws, top)
     rows = int(sched.expert_offsets[-1])
+    monkeypatch.setenv("MOK_GEMM_PAIRED", "1")
     paired = _forward_both(cfg, ws, sched, inputs, rows)
     _assert_same_bits(paired, rows)
-    for env, value in (("MOK_XGEMM_MULTICAST", "0"), ("MOK_GEMM_PAIRED", "0")):
-        monkeypatch.setenv(env, value)
-        other = _forward_both(cfg, ws, sched, inputs, rows)
-        for path in ("staged", "mega"):
-            assert torch.equal(bits(other[path][0]), bits(paired[path][0])), f"{path}: {env}={value} changed the output"
-            for name in ("act", "y_routed"):
-                a, b = getattr(other[path][1], name)[:rows], getattr(paired[path][1], name)[:rows]
-                assert torch.equal(bits(a), bits(b)), f"{path}: {env}={value} changed ctx.{name}"
+    monkeypatch.setenv("MOK_GEMM_PAIRED", "0")
+    unpaired = _forward_both(cfg, ws, sched, inputs, rows)
+    for path in ("staged", "mega"):
+        assert torch.equal(bits(unpaired[path][0]), bits(paired[path][0])), f"{path}: pairing changed the output"
+        for name in ("act", "y_routed"):
+            a, b = getattr(unpaired[path][1], name)[:rows], getattr(paired[path][1], name)[:rows]
+            assert torch.equal(bits(a), bits(b)), f"{path}: pairing changed ctx.{name}"
     ws.check_errors(blocking=True)
 
 
