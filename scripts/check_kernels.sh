@@ -57,8 +57,8 @@ for src in "$ROOT"/csrc/kernels/*.cu; do
   if [[ " ${GEMM_FILES[*]} " == *" $name "* ]]; then
     if grep -E "bytes spill (stores|loads)" "$OUT/$name.log" | grep -v -q -E "^ *0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"; then
       result="SPILLS"; grep -E "stack frame|spill" "$OUT/$name.log"; status=1
-    elif grep -q "C7515" "$OUT/$name.log"; then
-      result="WGMMA SERIALIZED (C7515)"; grep "C7515" "$OUT/$name.log"; status=1
+    elif grep -q -E "C751[05]" "$OUT/$name.log"; then
+      result="WGMMA SERIALIZED (C7510/C7515)"; grep -E "C751[05]" "$OUT/$name.log"; status=1
     elif ! "$CUOBJDUMP" --dump-sass "$OUT/$name.o" | grep -q HGMMA; then
       result="NO HGMMA in SASS"; status=1
     elif [[ $name == grouped_gemm ]] && "$CUOBJDUMP" --dump-sass "$OUT/$name.o" \
