@@ -2,7 +2,7 @@
 # CPU compile check of every CUDA kernel file (no GPU, no torch headers needed):
 #   nvcc -gencode=arch=compute_90a,code=sm_90a per csrc/kernels/*.cu, -Xptxas -v;
 #   fails on any compile error, on register spills / stack frames in the GEMM kernels, on ptxas
-#   serializing their wgmmas (C7515), if the SASS of the GEMM objects holds no HGMMA (wgmma), and
+#   serializing their wgmmas (C751x), if the SASS of the GEMM objects holds no HGMMA (wgmma), and
 #   if a grouped GEMM kernel fences at GPU scope more than twice (a per-stage fence).
 # Usage: scripts/check_kernels.sh [python]   (default: python3). Installs nvidia-cutlass==4.2.0.0
 # (--no-deps) into that python when its headers are missing. nvcc 13.0 must be on PATH.
@@ -57,8 +57,8 @@ for src in "$ROOT"/csrc/kernels/*.cu; do
   if [[ " ${GEMM_FILES[*]} " == *" $name "* ]]; then
     if grep -E "bytes spill (stores|loads)" "$OUT/$name.log" | grep -v -q -E "^ *0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"; then
       result="SPILLS"; grep -E "stack frame|spill" "$OUT/$name.log"; status=1
-    elif grep -q -E "C751[05]" "$OUT/$name.log"; then
-      result="WGMMA SERIALIZED (C7510/C7515)"; grep -E "C751[05]" "$OUT/$name.log"; status=1
+    elif grep -q -E "C751[0-9]" "$OUT/$name.log"; then
+      result="WGMMA SERIALIZED (C751x)"; grep -E "C751[0-9]" "$OUT/$name.log"; status=1
     elif ! "$CUOBJDUMP" --dump-sass "$OUT/$name.o" | grep -q HGMMA; then
       result="NO HGMMA in SASS"; status=1
     elif [[ $name == grouped_gemm ]] && "$CUOBJDUMP" --dump-sass "$OUT/$name.o" \

@@ -27,10 +27,6 @@
 // Real rows get the products; padding rows of a segment get +0, as from the token-major GEMM.
 #pragma once
 
-#include <cute/arch/mma_sm90_gmma.hpp>
-#include <cute/arch/mma_sm90_gmma_ext.hpp>
-#include <utility>
-
 #include "common.cuh"
 #include "grouped_gemm.cuh"  // ring_wait, release_stage
 #include "swiglu.cuh"
@@ -240,39 +236,6 @@ __device__ __forceinline__ void produce_task(const Params& p, const CUtensorMap*
   }
 }
 
-// wgmma m64 nN k16 through CuTe's SM90 atoms, on the first N / 2 accumulators.
-template <int N>
-struct Atom;
-#define MOK_XGEMM_ATOM(N) \
-  template <>             \
-  struct Atom<N> {        \
-    using type = cute::SM90::GMMA::MMA_64x##N##x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>; \
-  };
-MOK_XGEMM_ATOM(16)
-MOK_XGEMM_ATOM(32)
-MOK_XGEMM_ATOM(48)
-MOK_XGEMM_ATOM(64)
-MOK_XGEMM_ATOM(80)
-MOK_XGEMM_ATOM(96)
-MOK_XGEMM_ATOM(112)
-MOK_XGEMM_ATOM(128)
-MOK_XGEMM_ATOM(144)
-MOK_XGEMM_ATOM(160)
-MOK_XGEMM_ATOM(176)
-MOK_XGEMM_ATOM(192)
-MOK_XGEMM_ATOM(208)
-MOK_XGEMM_ATOM(224)
-MOK_XGEMM_ATOM(240)
-MOK_XGEMM_ATOM(256)
-#undef MOK_XGEMM_ATOM
-
-template <int N, int kOff, size_t... Is>
-__device__ __forceinline__ void wgmma_n(float (&d)[128], uint64_t da, uint64_t db, bool accumulate,
-                                        std::index_sequence<Is...>) {
-  Atom<N>::type::fma(da, db, d[kOff + Is]...,
-                     accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
-}
-
 // Consumer warpgroup `cw`: weight rows 64 cw .. 64 cw + 63 of the stage against its N token rows;
 // tall: rows 128 cw .. 128 cw + 127 as two m64 blocks, into acc[0, N / 2) and acc[64, 64 + N / 2).
 // kPaired (megakernel clusters): a stage is freed on both CTAs' empty barriers (the ring protocol
@@ -297,7 +260,15 @@ __device__ __forceinline__ void mma_task(const Params& p, const Ring& sm, int cw
       } else {
         const uint64_t da = wgmma_desc_sw128(sm.w(s) + cw * (WM / 2) * 128 + kk * 32);
         const uint64_t db = wgmma_desc_sw128(sm.x(s) + kk * 32);
-        wgmma_n<N, 0>(acc, da, db, kb > 0 || kk > 0, std::make_index_sequence<N / 2>{});
+        // N > 128: two wgmmas (tokens 0..127 into acc[0, 64), the rest into acc[64, ...)), so that
+        // every variant's accumulators start at 0 or 64 like the tall tasks' (one N = 256 tuple
+        // next to them serializes all wgmmas: ptxas C7511)
+        constexpr int kN0 = N > 128 ? 128 : N;
+        wgmma_n<kN0, 0>(acc, da, db, kb > 0 || kk > 0, std::make_index_sequence<kN0 / 2>{});
+        if constexpr (N > 128) {
+          const uint64_t db1 = wgmma_desc_sw128(sm.x(s) + 128 * 128 + kk * 32);
+          wgmma_n<N - 128, 64>(acc, da, db1, kb > 0 || kk > 0, std::make_index_sequence<(N - 128) / 2>{});
+        }
       }
     }
     wgmma_commit();

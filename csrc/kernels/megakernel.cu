@@ -495,7 +495,7 @@ __device__ __forceinline__ void consumer(const Params& p, const gemm::Smem& sm, 
       const bool own = m < mt;  // paired, odd m-tile count: the last pair has one tile
       const int tile = min(m, mt - 1) * g.n_tiles + tk.n;
       const bool active = own && gemm::half_active(g, tile, cw);
-      gemm::mma_tile<true, kPaired>(g, sm, cw, acc, it, active, &w);
+      gemm::mma_tile<true, kPaired, true>(g, sm, cw, acc, it, active, &w);
       if (!own) continue;
       const int row_limit = gemm::rows_total(g);
       if (tk.kind == kSharedUp) {
