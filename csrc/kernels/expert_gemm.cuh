@@ -19,13 +19,12 @@
 // The accumulators are [weight row, token]; the epilogue transposes them through shared memory
 // (64 tokens at a time, padded rows: no bank conflicts) into 16-byte row-major stores.
 //
-// Tall tasks: an expert with <= 128 rows (one chunk, N <= 128) runs 256 weight rows per task, two
-// m64 blocks per consumer warpgroup, in the same 48 KB stage (weights in its 32 KB part, tokens in
-// its 16 KB part): more FLOPs per byte brought into the SM, which is what bounds these tasks
-// (~55 GB/s per SM; device call 3 of 2026-11-30 in docs/KERNELS.md).
-//
 // Real rows get the products; padding rows of a segment get +0, as from the token-major GEMM.
 #pragma once
+
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cute/arch/mma_sm90_gmma_ext.hpp>
+#include <utility>
 
 #include "common.cuh"
 #include "grouped_gemm.cuh"  // ring_wait, release_stage
@@ -34,9 +33,8 @@
 namespace mok {
 namespace xgemm {
 
-constexpr int WM = 128;           // weight rows per tile (64 per consumer warpgroup); tall tasks: 2 WM
+constexpr int WM = 128;           // weight rows per tile (64 per consumer warpgroup)
 constexpr int kMaxTok = 256;      // token rows per task (wgmma N <= 256)
-constexpr int kTallRows = 128;    // experts with at most this many rows run tall tasks
 constexpr int kTokAlign = 16;     // token rows of a task are a multiple of this (wgmma N granularity used)
 constexpr int BK = 64;            // K per stage (one 128-byte swizzle atom of bf16)
 constexpr int kStages = 4;
@@ -47,7 +45,7 @@ constexpr int kXBytes = kMaxTok * BK * 2;   // 32 KB
 constexpr int kStageStride = 72;            // epilogue staging row: 64 columns + 8 (bank spread)
 constexpr int kStageBytesPerWG = 64 * kStageStride * 2;  // 64 tokens
 constexpr int kMaxSeg = 512;      // experts per launch (task prefix kept in shared memory)
-// dynamic shared memory; the expert prefixes (2 x [kMaxSeg + 1] ints) are static shared memory
+// dynamic shared memory; the chunk prefix ([kMaxSeg + 1] ints) is static shared memory of the kernel
 constexpr int kSmemBytes = kStages * (kWBytes + kXBytes) + 2 * kStageBytesPerWG + 2 * kStages * 8 + 1024 /* alignment */;
 
 struct Params {
@@ -59,7 +57,6 @@ struct Params {
   int N;                   // output columns (SwiGLU: I; the weights hold 2 N rows per expert)
   int w_rows_per_seg;      // weight rows per expert (SwiGLU: 2 N)
   int n_blocks;            // weight tiles per expert: ceil(N / 64) (SwiGLU) or ceil(N / 128)
-  int n_blocks_tall;       // the same for tall tasks: ceil(N / 128) (SwiGLU) or ceil(N / 256)
   __nv_bfloat16* out;      // [rows, N]
   __nv_bfloat16* pre_out;  // SwiGLU only, optional: [rows, 2 N] = [gate | up] (bf16-rounded)
 };
@@ -84,6 +81,8 @@ __device__ __forceinline__ Smem carve_smem(uint8_t* raw) {
   return Smem{reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023))};
 }
 
+__host__ __device__ constexpr int chunks_of(int rows) { return (rows + kMaxTok - 1) / kMaxTok; }
+
 // Real rows of expert e that its segment holds (after a capacity overflow, which the schedule
 // flags, the counts exceed the clipped segments: tasks stay inside them, and the chunk count stays
 // <= the 128-row blocks, which bounds the megakernel's per-chunk counters).
@@ -91,86 +90,52 @@ __device__ __forceinline__ int seg_rows(const Params& p, int e) {
   return max(0, min(p.seg_counts[e], p.seg_offsets[e + 1] - p.seg_offsets[e]));
 }
 
-__host__ __device__ constexpr bool is_tall_rows(int rows) { return rows > 0 && rows <= kTallRows; }
-__host__ __device__ constexpr int chunks_of(int rows) { return (rows + kMaxTok - 1) / kMaxTok; }
-
-// Per-expert prefixes in shared memory: token chunks and tall experts before expert e ([nseg + 1]
-// each). They define every launch's task list; both GEMM kinds of a layer share them.
-struct Prefix {
-  int* chunks;
-  int* talls;
-};
-
-// Warp 0 of the caller: builds the prefixes (the caller syncs after).
-__device__ __forceinline__ void build_prefix(const Params& p, const Prefix& pf) {
+// Warp 0: chunk_prefix[e] = sum of chunks_of(seg_counts[i]) for i < e (the caller syncs after).
+__device__ __forceinline__ void build_chunk_prefix(const Params& p, int* prefix) {
   const int lane = threadIdx.x % 32;
-  int run_c = 0, run_t = 0;
+  int running = 0;
   for (int base = 0; base < p.nseg; base += 32) {
     const int e = base + lane;
-    const int rows = e < p.nseg ? seg_rows(p, e) : 0;
-    int c = chunks_of(rows), t = is_tall_rows(rows) ? 1 : 0;
+    const int v = e < p.nseg ? chunks_of(seg_rows(p, e)) : 0;
+    int incl = v;
 #pragma unroll
     for (int d = 1; d < 32; d *= 2) {
-      const int oc = __shfl_up_sync(0xffffffffu, c, d), ot = __shfl_up_sync(0xffffffffu, t, d);
-      if (lane >= d) {
-        c += oc;
-        t += ot;
-      }
+      const int o = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += o;
     }
-    if (e < p.nseg) {
-      pf.chunks[e + 1] = run_c + c;
-      pf.talls[e + 1] = run_t + t;
-    }
-    run_c += __shfl_sync(0xffffffffu, c, 31);
-    run_t += __shfl_sync(0xffffffffu, t, 31);
+    if (e < p.nseg) prefix[e + 1] = running + incl;
+    running += __shfl_sync(0xffffffffu, incl, 31);
   }
-  if (lane == 0) pf.chunks[0] = pf.talls[0] = 0;
+  if (lane == 0) prefix[0] = 0;
 }
 
 // One task: weight block `block` of expert `seg` against token rows [row0, row0 + n_tok) (n_tok a
-// multiple of kTokAlign, <= 256; tall: <= 128), of which the first `n_real` are real. The
-// expert's last chunk also writes +0 into the segment's padding rows [pad0, pad1) (else pad0 ==
-// pad1).
+// multiple of kTokAlign, <= 256), of which the first `n_real` are real. The expert's last chunk
+// also writes +0 into the segment's padding rows [pad0, pad1) (else pad0 == pad1).
 struct Task {
-  int seg, block, row0, n_tok, n_real, pad0, pad1, tall;
+  int seg, block, row0, n_tok, n_real, pad0, pad1;
 };
 
-__device__ __forceinline__ bool is_tall(const Prefix& pf, int e) { return pf.talls[e + 1] > pf.talls[e]; }
-__device__ __forceinline__ int blocks_of(const Params& p, bool tall) { return tall ? p.n_blocks_tall : p.n_blocks; }
+__device__ __forceinline__ int num_tasks(const Params& p, const int* prefix) { return prefix[p.nseg] * p.n_blocks; }
 
-// Tasks of the experts before e (each: chunks x blocks).
-__device__ __forceinline__ int task_base(const Params& p, const Prefix& pf, int e) {
-  return p.n_blocks * (pf.chunks[e] - pf.talls[e]) + p.n_blocks_tall * pf.talls[e];
-}
-
-// Last expert e with key(e) <= v, key nondecreasing (with v below key(nseg): the expert whose range
-// holds v; empty experts have no range).
-template <class Key>
-__device__ __forceinline__ int find_expert(const Params& p, int v, Key key) {
+// Last expert e with prefix[e] <= key * scale (with key < prefix[nseg] * scale: the expert whose
+// range holds it; empty experts have no range).
+__device__ __forceinline__ int find_expert(const Params& p, const int* prefix, int key, int scale) {
   int lo = 0, hi = p.nseg - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (key(mid) <= v) lo = mid; else hi = mid - 1;
+    if (prefix[mid] * scale <= key) lo = mid; else hi = mid - 1;
   }
   return lo;
 }
 
-// Index of the first task of token chunk g (g == all chunks: the task count).
-__device__ __forceinline__ int task_of_chunk(const Params& p, const Prefix& pf, int g) {
-  if (g >= pf.chunks[p.nseg]) return task_base(p, pf, p.nseg);
-  const int e = find_expert(p, g, [&](int i) { return pf.chunks[i]; });
-  return task_base(p, pf, e) + (g - pf.chunks[e]) * blocks_of(p, is_tall(pf, e));
-}
-
-__device__ __forceinline__ int num_tasks(const Params& p, const Prefix& pf) { return task_base(p, pf, p.nseg); }
-
-// Weight block `block` of expert e against its chunk c (of ch). An expert's rows split into ch
-// chunks of whole kTokAlign-row units, as equal as the units allow (each <= 256 rows, none empty).
-__device__ __forceinline__ Task make_task(const Params& p, int e, int block, int c, int ch, bool tall) {
+// Weight block `block` of expert e against its chunk c (of ch = chunks_of(rows)). An expert's rows
+// split into ch chunks of whole kTokAlign-row units, as equal as the units allow (each <= 256
+// rows, none empty).
+__device__ __forceinline__ Task make_task(const Params& p, int e, int block, int c, int ch) {
   Task t;
   t.seg = e;
   t.block = block;
-  t.tall = tall;
   const int rows = seg_rows(p, e);
   const int units = (rows + kTokAlign - 1) / kTokAlign;
   const int q = units / ch, r = units % ch;
@@ -187,60 +152,93 @@ __device__ __forceinline__ Task make_task(const Params& p, int e, int block, int
   return t;
 }
 
-// Task i of the chunk window [g0, g0 + count) (the staged launch: all chunks; the megakernel: a
-// minibatch): the window's experts in order, each block-major over its chunks inside the window, so
-// the chunks of one weight block run back to back. *chunk: the task's global chunk index.
-__device__ __forceinline__ Task decode_window(const Params& p, const Prefix& pf, int g0, int count, int i,
+// Task u (< num_tasks) of the staged launch: expert-major, then block, then chunk.
+__device__ __forceinline__ Task decode(const Params& p, const int* prefix, int u) {
+  const int e = find_expert(p, prefix, u, p.n_blocks);
+  const int ch = prefix[e + 1] - prefix[e];
+  const int local = u - prefix[e] * p.n_blocks;
+  return make_task(p, e, local / ch, local % ch, ch);
+}
+
+// Task i (< n_blocks * count) of the chunk window [g0, g0 + count) (the megakernel's minibatch):
+// the window's experts in order, each block-major over its chunks inside the window. *chunk: the
+// global chunk index (prefix[e] + c) of the task.
+__device__ __forceinline__ Task decode_window(const Params& p, const int* prefix, int g0, int count, int i,
                                              int* chunk) {
-  const int u = task_of_chunk(p, pf, g0) + i;
-  const int e = find_expert(p, u, [&](int j) { return task_base(p, pf, j); });
-  const bool tall = is_tall(pf, e);
-  const int nb = blocks_of(p, tall);
-  const int start = max(g0, pf.chunks[e]), end = min(g0 + count, pf.chunks[e + 1]);
-  const int local = u - task_base(p, pf, e) - (start - pf.chunks[e]) * nb;
+  const int g = g0 + i / p.n_blocks;  // a chunk of the task's expert (its tasks are n_blocks per chunk)
+  const int e = find_expert(p, prefix, g, 1);
+  const int start = max(g0, prefix[e]), end = min(g0 + count, prefix[e + 1]);
+  const int local = i - p.n_blocks * (start - g0);
   const int c = start + local % (end - start);
   *chunk = c;
-  return make_task(p, e, local / (end - start), c - pf.chunks[e], pf.chunks[e + 1] - pf.chunks[e], tall);
+  return make_task(p, e, local / (end - start), c - prefix[e], prefix[e + 1] - prefix[e]);
 }
 
 // ---- the ring ------------------------------------------------------------------------------------
 
 // Producer thread: the weight tile and the task's token rows, K block by K block. `Ring` gives the
-// stages (w(s): 16 KB, x(s): 32 KB, the token-major ring's a(s), b(s) layout) and their barriers
-// (full(s), empty(s)). Tall tasks swap the parts: 256 weight rows in x(s), <= 128 tokens in w(s).
-// Megakernel (kWatch): waits under the watchdog, and `tag` goes to stage_tag[s] of the task's first
-// stage before it is armed.
+// stages (w(s), x(s): the token-major ring's a(s), b(s) layout) and their barriers (full(s),
+// empty(s)). Megakernel (kWatch): waits under the watchdog, and `tag` goes to stage_tag[s] of the
+// task's first stage before it is armed.
 template <bool kSwiGLU, bool kWatch = false, class Ring>
 __device__ __forceinline__ void produce_task(const Params& p, const CUtensorMap* tmW, const CUtensorMap* tmX,
                                              const Ring& sm, const Task& t, uint32_t& it, const Watchdog* w = nullptr,
                                              volatile int* stage_tag = nullptr, int tag = 0) {
   const int nk = (p.K + BK - 1) / BK;
   const int nbox = (t.n_tok + kXBox - 1) / kXBox;
-  const int wboxes = t.tall ? 2 : 1;  // weight boxes of WM rows
-  const int wrow = t.seg * p.w_rows_per_seg + t.block * wboxes * (kSwiGLU ? WM / 2 : WM);
+  // SwiGLU: the 4D map's outer coordinate counts 8-row blocks of the gate half
+  const int wcoord = kSwiGLU ? (t.seg * p.w_rows_per_seg + t.block * (WM / 2)) / 8 : t.seg * p.w_rows_per_seg + t.block * WM;
   for (int kb = 0; kb < nk; ++kb, ++it) {
     const int s = it % kStages;
     gemm::ring_wait<kWatch>(sm.empty(s), ((it / kStages) & 1) ^ 1, w);
     if (stage_tag != nullptr && kb == 0) stage_tag[s] = tag;
-    mbar_arrive_expect_tx(sm.full(s), wboxes * kWBytes + nbox * kXBox * BK * 2);
-    uint8_t* wdst = t.tall ? sm.x(s) : sm.w(s);
-    uint8_t* xdst = t.tall ? sm.w(s) : sm.x(s);
-    for (int j = 0; j < wboxes; ++j) {
-      if constexpr (kSwiGLU)  // the 4D map's outer coordinate counts 8-row blocks of the gate half
-        tma_load_4d(wdst + j * kWBytes, tmW, sm.full(s), kb * BK, 0, 0, wrow / 8 + j * (WM / 16));
-      else
-        tma_load_2d(wdst + j * kWBytes, tmW, sm.full(s), kb * BK, wrow + j * WM);
-    }
+    mbar_arrive_expect_tx(sm.full(s), kWBytes + nbox * kXBox * BK * 2);
+    if constexpr (kSwiGLU)
+      tma_load_4d(sm.w(s), tmW, sm.full(s), kb * BK, 0, 0, wcoord);
+    else
+      tma_load_2d(sm.w(s), tmW, sm.full(s), kb * BK, wcoord);
     for (int i = 0; i < nbox; ++i)
-      tma_load_2d(xdst + i * kXBox * 128, tmX, sm.full(s), kb * BK, t.row0 + i * kXBox);
+      tma_load_2d(sm.x(s) + i * kXBox * 128, tmX, sm.full(s), kb * BK, t.row0 + i * kXBox);
   }
 }
 
-// Consumer warpgroup `cw`: weight rows 64 cw .. 64 cw + 63 of the stage against its N token rows;
-// tall: rows 128 cw .. 128 cw + 127 as two m64 blocks, into acc[0, N / 2) and acc[64, 64 + N / 2).
+// wgmma m64 nN k16 through CuTe's SM90 atoms, on the first N / 2 accumulators.
+template <int N>
+struct Atom;
+#define MOK_XGEMM_ATOM(N) \
+  template <>             \
+  struct Atom<N> {        \
+    using type = cute::SM90::GMMA::MMA_64x##N##x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>; \
+  };
+MOK_XGEMM_ATOM(16)
+MOK_XGEMM_ATOM(32)
+MOK_XGEMM_ATOM(48)
+MOK_XGEMM_ATOM(64)
+MOK_XGEMM_ATOM(80)
+MOK_XGEMM_ATOM(96)
+MOK_XGEMM_ATOM(112)
+MOK_XGEMM_ATOM(128)
+MOK_XGEMM_ATOM(144)
+MOK_XGEMM_ATOM(160)
+MOK_XGEMM_ATOM(176)
+MOK_XGEMM_ATOM(192)
+MOK_XGEMM_ATOM(208)
+MOK_XGEMM_ATOM(224)
+MOK_XGEMM_ATOM(240)
+MOK_XGEMM_ATOM(256)
+#undef MOK_XGEMM_ATOM
+
+template <int N, size_t... Is>
+__device__ __forceinline__ void wgmma_n(float (&d)[128], uint64_t da, uint64_t db, bool accumulate,
+                                        std::index_sequence<Is...>) {
+  Atom<N>::type::fma(da, db, d[Is]...,
+                     accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+
+// Consumer warpgroup `cw`: weight rows 64 cw .. 64 cw + 63 of the stage against its N token rows.
 // kPaired (megakernel clusters): a stage is freed on both CTAs' empty barriers (the ring protocol
 // of grouped_gemm.cuh; the expert tasks themselves share nothing).
-template <int N, bool kTall, bool kWatch, bool kPaired, class Ring>
+template <int N, bool kWatch, bool kPaired, class Ring>
 __device__ __forceinline__ void mma_task(const Params& p, const Ring& sm, int cw, float (&acc)[128], uint32_t& it,
                                          const Watchdog* w) {
   const int nk = (p.K + BK - 1) / BK;
@@ -251,25 +249,9 @@ __device__ __forceinline__ void mma_task(const Params& p, const Ring& sm, int cw
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
-      if constexpr (kTall) {
-        const uint64_t db = wgmma_desc_sw128(sm.w(s) + kk * 32);
-        const uint64_t da0 = wgmma_desc_sw128(sm.x(s) + cw * WM * 128 + kk * 32);
-        const uint64_t da1 = wgmma_desc_sw128(sm.x(s) + (cw * WM + 64) * 128 + kk * 32);
-        wgmma_n<N, 0>(acc, da0, db, kb > 0 || kk > 0, std::make_index_sequence<N / 2>{});
-        wgmma_n<N, 64>(acc, da1, db, kb > 0 || kk > 0, std::make_index_sequence<N / 2>{});
-      } else {
-        const uint64_t da = wgmma_desc_sw128(sm.w(s) + cw * (WM / 2) * 128 + kk * 32);
-        const uint64_t db = wgmma_desc_sw128(sm.x(s) + kk * 32);
-        // N > 128: two wgmmas (tokens 0..127 into acc[0, 64), the rest into acc[64, ...)), so that
-        // every variant's accumulators start at 0 or 64 like the tall tasks' (one N = 256 tuple
-        // next to them serializes all wgmmas: ptxas C7511)
-        constexpr int kN0 = N > 128 ? 128 : N;
-        wgmma_n<kN0, 0>(acc, da, db, kb > 0 || kk > 0, std::make_index_sequence<kN0 / 2>{});
-        if constexpr (N > 128) {
-          const uint64_t db1 = wgmma_desc_sw128(sm.x(s) + 128 * 128 + kk * 32);
-          wgmma_n<N - 128, 64>(acc, da, db1, kb > 0 || kk > 0, std::make_index_sequence<(N - 128) / 2>{});
-        }
-      }
+      const uint64_t da = wgmma_desc_sw128(sm.w(s) + cw * (WM / 2) * 128 + kk * 32);
+      const uint64_t db = wgmma_desc_sw128(sm.x(s) + kk * 32);
+      wgmma_n<N>(acc, da, db, kb > 0 || kk > 0, std::make_index_sequence<N / 2>{});
     }
     wgmma_commit();
     if (prev >= 0) {
@@ -295,27 +277,19 @@ __device__ __forceinline__ void skip_task(const Params& p, const Ring& sm, uint3
   }
 }
 
-// The task's shape as template arguments (N = 16 .. 256; tall: N <= 128).
+// The task's N as a template argument (N = 16 .. 256).
 template <bool kWatch = false, bool kPaired = false, class Ring>
 __device__ __forceinline__ void mma_task_any(const Params& p, const Ring& sm, int cw, float (&acc)[128], uint32_t& it,
-                                             const Task& t, const Watchdog* w = nullptr) {
-  switch ((t.tall ? 16 : 0) + t.n_tok / kTokAlign) {
+                                             int n_tok, const Watchdog* w = nullptr) {
+  switch (n_tok / kTokAlign) {
 #define MOK_XGEMM_CASE(U) \
   case U:                 \
-    mma_task<U * kTokAlign, false, kWatch, kPaired>(p, sm, cw, acc, it, w); \
-    break;
-#define MOK_XGEMM_TALL(U) \
-  case 16 + U:            \
-    mma_task<U * kTokAlign, true, kWatch, kPaired>(p, sm, cw, acc, it, w); \
+    mma_task<U * kTokAlign, kWatch, kPaired>(p, sm, cw, acc, it, w); \
     break;
     MOK_XGEMM_CASE(1) MOK_XGEMM_CASE(2) MOK_XGEMM_CASE(3) MOK_XGEMM_CASE(4) MOK_XGEMM_CASE(5) MOK_XGEMM_CASE(6)
     MOK_XGEMM_CASE(7) MOK_XGEMM_CASE(8) MOK_XGEMM_CASE(9) MOK_XGEMM_CASE(10) MOK_XGEMM_CASE(11)
-    MOK_XGEMM_CASE(12) MOK_XGEMM_CASE(13) MOK_XGEMM_CASE(14) MOK_XGEMM_CASE(15)
-    MOK_XGEMM_CASE(16)
-    MOK_XGEMM_TALL(1) MOK_XGEMM_TALL(2) MOK_XGEMM_TALL(3) MOK_XGEMM_TALL(4) MOK_XGEMM_TALL(5) MOK_XGEMM_TALL(6)
-    MOK_XGEMM_TALL(7) MOK_XGEMM_TALL(8)
+    MOK_XGEMM_CASE(12) MOK_XGEMM_CASE(13) MOK_XGEMM_CASE(14) MOK_XGEMM_CASE(15) MOK_XGEMM_CASE(16)
 #undef MOK_XGEMM_CASE
-#undef MOK_XGEMM_TALL
     default:
       break;
   }
@@ -368,17 +342,16 @@ __device__ __forceinline__ void zero_rows(__nv_bfloat16* dst, int64_t ld, int r0
   }
 }
 
-// One m64 block of a warpgroup's accumulators (from acc[kOff]; kSlices 64-token slices at most) to
-// its output columns: 32 (SwiGLU: the [gate; up] pairs' outputs, with pre_out also gate and up)
-// or 64 (down), starting at col0.
-template <bool kSwiGLU, int kSlices, int kOff>
-__device__ __forceinline__ void store_block(const Params& p, uint32_t stg, const Task& tk, int col0, int bar,
-                                            const float (&acc)[128]) {
+template <bool kSwiGLU, class Ring>
+__device__ __forceinline__ void store_task(const Params& p, const Ring& sm, const Task& tk, int cw,
+                                           const float (&acc)[128]) {
   const int t = threadIdx.x % 128;
   const int w = t / 32, lane = t % 32, q = lane % 4, r = lane / 4;
+  const int bar = 2 + cw;
+  const uint32_t stg = smem_u32(sm.staging(cw));
   const int rounds = (kSwiGLU && p.pre_out != nullptr) ? 3 : 1;
 #pragma unroll
-  for (int sl = 0; sl < kSlices; ++sl) {
+  for (int sl = 0; sl < kMaxTok / 64; ++sl) {
     if (64 * sl >= tk.n_tok) break;
     const int row0 = tk.row0 + 64 * sl;
     const int n_real = tk.n_real - 64 * sl;
@@ -389,9 +362,9 @@ __device__ __forceinline__ void store_block(const Params& p, uint32_t stg, const
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int c = 8 * g8 + 2 * q + h;
-          const float lo = acc[kOff + 4 * g + h], hi = acc[kOff + 4 * g + 2 + h];
+          const float lo = acc[4 * g + h], hi = acc[4 * g + 2 + h];
           if constexpr (kSwiGLU) {
-            // lo: gate j, hi: up j, j = 8 w + r of the block's 32 columns
+            // lo: gate j, hi: up j, j = 8 w + r of this warpgroup's 32 columns
             const float v = round == 0 ? swiglu(lo, hi) : (round == 1 ? lo : hi);
             st_shared_bf16(stg + 2 * (c * kStageStride + 8 * w + r), v);
           } else {
@@ -401,43 +374,25 @@ __device__ __forceinline__ void store_block(const Params& p, uint32_t stg, const
         }
       }
       if constexpr (kSwiGLU) {
-        // pre_out's column bound is N for both halves (col0 < N), the offset picks the half
+        const int col0 = tk.block * (WM / 2) + cw * 32;
         __nv_bfloat16* dst = round == 0 ? p.out : p.pre_out + (round == 2 ? p.N : 0);
         flush_staging(stg, 32, dst, round == 0 ? p.N : 2 * p.N, row0, col0, p.N, n_real, bar);
+        // pre_out's column bound is N for both halves (col0 < N), the offset picks the half
       } else {
-        flush_staging(stg, 64, p.out, p.N, row0, col0, p.N, n_real, bar);
+        flush_staging(stg, 64, p.out, p.N, row0, tk.block * WM + cw * 64, p.N, n_real, bar);
       }
     }
   }
-}
-
-// First output column of consumer warpgroup cw in task tk (its columns are contiguous: 32 or 64 per
-// m64 block, two blocks when tall).
-template <bool kSwiGLU>
-__device__ __forceinline__ int task_col0(const Task& tk, int cw) {
-  const int per_block = kSwiGLU ? 32 : 64;  // columns of one m64 block
-  return (tk.tall ? 2 : 1) * per_block * (2 * tk.block + cw);
-}
-
-template <bool kSwiGLU, class Ring>
-__device__ __forceinline__ void store_task(const Params& p, const Ring& sm, const Task& tk, int cw,
-                                           const float (&acc)[128]) {
-  const int bar = 2 + cw;
-  const uint32_t stg = smem_u32(sm.staging(cw));
-  constexpr int kBlockCols = kSwiGLU ? 32 : 64;
-  const int col0 = task_col0<kSwiGLU>(tk, cw);
-  if (tk.tall) {
-    store_block<kSwiGLU, 2, 0>(p, stg, tk, col0, bar, acc);
-    store_block<kSwiGLU, 2, 64>(p, stg, tk, col0 + kBlockCols, bar, acc);
-  } else {
-    store_block<kSwiGLU, kMaxTok / 64, 0>(p, stg, tk, col0, bar, acc);
-  }
   if (tk.pad1 > tk.pad0) {
-    const int cols = (tk.tall ? 2 : 1) * kBlockCols;
-    zero_rows(p.out, p.N, tk.pad0, tk.pad1, col0, cols, p.N);
-    if (kSwiGLU && p.pre_out != nullptr) {
-      zero_rows(p.pre_out, 2 * p.N, tk.pad0, tk.pad1, col0, cols, p.N);
-      zero_rows(p.pre_out + p.N, 2 * p.N, tk.pad0, tk.pad1, col0, cols, p.N);
+    if constexpr (kSwiGLU) {
+      const int col0 = tk.block * (WM / 2) + cw * 32;
+      zero_rows(p.out, p.N, tk.pad0, tk.pad1, col0, 32, p.N);
+      if (p.pre_out != nullptr) {
+        zero_rows(p.pre_out, 2 * p.N, tk.pad0, tk.pad1, col0, 32, p.N);
+        zero_rows(p.pre_out + p.N, 2 * p.N, tk.pad0, tk.pad1, col0, 32, p.N);
+      }
+    } else {
+      zero_rows(p.out, p.N, tk.pad0, tk.pad1, tk.block * WM + cw * 64, 64, p.N);
     }
   }
 }
@@ -455,7 +410,6 @@ inline Params make_params(const int* seg_offsets, const int* seg_counts, int nse
   p.N = N;
   p.w_rows_per_seg = swiglu ? 2 * N : N;
   p.n_blocks = swiglu ? (N + WM / 2 - 1) / (WM / 2) : (N + WM - 1) / WM;
-  p.n_blocks_tall = swiglu ? (N + WM - 1) / WM : (N + 2 * WM - 1) / (2 * WM);
   p.out = static_cast<__nv_bfloat16*>(out);
   p.pre_out = swiglu ? static_cast<__nv_bfloat16*>(pre_out) : nullptr;
   return p;

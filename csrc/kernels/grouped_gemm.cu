@@ -89,11 +89,9 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
     expert_gemm_kernel(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
                        xgemm::Params p) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  // static: addressed as shared (32-bit), no spill
-  __shared__ int prefix_chunks[xgemm::kMaxSeg + 1], prefix_talls[xgemm::kMaxSeg + 1];
-  const xgemm::Prefix pf{prefix_chunks, prefix_talls};
+  __shared__ int chunk_prefix[xgemm::kMaxSeg + 1];  // static: addressed as shared (32-bit), no spill
   const xgemm::Smem sm = xgemm::carve_smem(smem_raw);
-  if (threadIdx.x < 32) xgemm::build_prefix(p, pf);
+  if (threadIdx.x < 32) xgemm::build_chunk_prefix(p, chunk_prefix);
   if (threadIdx.x == 32) {
     for (int s = 0; s < xgemm::kStages; ++s) {
       mbar_init(sm.full(s), 1);
@@ -102,9 +100,7 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
     mbar_fence_init();
   }
   __syncthreads();
-  const int tasks = xgemm::num_tasks(p, pf);
-  const int chunks = pf.chunks[p.nseg];
-  int chunk = 0;
+  const int tasks = xgemm::num_tasks(p, chunk_prefix);
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     setmaxnreg_dec<56>();
@@ -113,7 +109,7 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
       tma_prefetch_desc(&tmX);
       uint32_t it = 0;
       for (int u = blockIdx.x; u < tasks; u += gridDim.x)
-        xgemm::produce_task<kSwiGLU>(p, &tmW, &tmX, sm, xgemm::decode_window(p, pf, 0, chunks, u, &chunk), it);
+        xgemm::produce_task<kSwiGLU>(p, &tmW, &tmX, sm, xgemm::decode(p, chunk_prefix, u), it);
     }
   } else {
     setmaxnreg_inc<224>();
@@ -122,8 +118,8 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
     uint32_t it = 0;
     for (int u = blockIdx.x; u < tasks; u += gridDim.x) {
       // decoded twice: keeping the task live through the main loop costs registers (spills)
-      xgemm::mma_task_any(p, sm, cw, acc, it, xgemm::decode_window(p, pf, 0, chunks, u, &chunk));
-      xgemm::store_task<kSwiGLU>(p, sm, xgemm::decode_window(p, pf, 0, chunks, u, &chunk), cw, acc);
+      xgemm::mma_task_any(p, sm, cw, acc, it, xgemm::decode(p, chunk_prefix, u).n_tok);
+      xgemm::store_task<kSwiGLU>(p, sm, xgemm::decode(p, chunk_prefix, u), cw, acc);
     }
   }
 }

@@ -18,7 +18,6 @@
 
 #include "common.cuh"
 #include "swiglu.cuh"
-#include "wgmma_atoms.cuh"
 
 namespace mok {
 namespace gemm {
@@ -157,9 +156,7 @@ __device__ __forceinline__ bool half_active(const Params& p, int tile, int cw) {
 // Consumer warpgroup `cw` (0 or 1): rows 64 cw .. 64 cw + 63 of the tile, all 256 columns.
 // An inactive warpgroup only keeps the ring's barrier phases and leaves acc untouched (store_tile
 // writes its zeros): any non-wgmma write of acc here makes ptxas serialize every wgmma (C7515).
-// kSplitN: the 256 columns as two n128 wgmmas (acc[0, 64), acc[64, 128); the same accumulator layout
-// and bits), for a kernel that also runs expert-major tasks (wgmma_atoms.cuh).
-template <bool kWatch = false, bool kPaired = false, bool kSplitN = false>
+template <bool kWatch = false, bool kPaired = false>
 __device__ __forceinline__ void mma_tile(const Params& p, const Smem& sm, int cw, float (&acc)[128], uint32_t& it,
                                          bool active, const Watchdog* w = nullptr) {
   const int nk = (p.K + BK - 1) / BK;
@@ -181,13 +178,7 @@ __device__ __forceinline__ void mma_tile(const Params& p, const Smem& sm, int cw
     for (int kk = 0; kk < BK / 16; ++kk) {
       const uint64_t da = wgmma_desc_sw128(sm.a(s) + cw * (BM / 2) * 128 + kk * 32);
       const uint64_t db = wgmma_desc_sw128(sm.b(s) + kk * 32);
-      if constexpr (kSplitN) {
-        wgmma_n<128, 0>(acc, da, db, kb > 0 || kk > 0, std::make_index_sequence<64>{});
-        wgmma_n<128, 64>(acc, da, wgmma_desc_sw128(sm.b(s) + (BN / 2) * 128 + kk * 32), kb > 0 || kk > 0,
-                         std::make_index_sequence<64>{});
-      } else {
-        wgmma_m64n256k16(acc, da, db, (kb > 0 || kk > 0) ? 1 : 0);
-      }
+      wgmma_m64n256k16(acc, da, db, (kb > 0 || kk > 0) ? 1 : 0);
     }
     wgmma_commit();
     if (prev >= 0) {

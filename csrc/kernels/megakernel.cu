@@ -40,8 +40,6 @@
 // errors[kErrKernelStall] = 1 + rank and an abort flag, and the kernel ends instead of hanging.
 #include <stdlib.h>
 
-#include <algorithm>
-
 #include "barrier.cuh"
 #include "expert_gemm.cuh"
 #include "grouped_gemm.cuh"
@@ -137,64 +135,26 @@ __device__ __forceinline__ int m_units(int m_tiles) {
   return kPaired ? (m_tiles + 1) / 2 : m_tiles;
 }
 
-// The routed task list in shared memory, built by one warp of every CTA at its start: the expert
-// prefixes (expert_gemm.cuh) and win[b], the routed units before minibatch b (b <= minibatches).
-struct RoutedPlan {
-  xgemm::Prefix pf;
-  int* win;
-};
-
-constexpr int kMaxMinibatches = 512;  // entries of win - 1 (the launcher sizes minibatches to fit)
-
-__device__ __forceinline__ int num_chunks(const Params& p, const RoutedPlan& rp) { return rp.pf.chunks[p.nle]; }
-__device__ __forceinline__ int num_minibatches(const Params& p, const RoutedPlan& rp) {
-  return (num_chunks(p, rp) + p.mb_chunks - 1) / p.mb_chunks;
-}
-
-// Tasks of a routed kind in minibatch b (chunks [b mb, (b + 1) mb)).
-__device__ __forceinline__ int minibatch_tasks(const Params& p, const RoutedPlan& rp, int kind, int b) {
-  const xgemm::Params& xg = p.xg[kind - kRoutedUp];
-  const int g0 = b * p.mb_chunks, g1 = min(num_chunks(p, rp), g0 + p.mb_chunks);
-  return xgemm::task_of_chunk(xg, rp.pf, g1) - xgemm::task_of_chunk(xg, rp.pf, g0);
-}
-
-// Units of a routed kind in minibatch b: its tasks one by one, or (paired) two by two.
+// Units of a routed kind in a minibatch of `count` chunks: its tasks one by one, or (paired) two by two.
 template <bool kPaired>
-__device__ __forceinline__ int routed_units(const Params& p, const RoutedPlan& rp, int kind, int b) {
-  return m_units<kPaired>(minibatch_tasks(p, rp, kind, b));
-}
-
-// Warp 1 of every CTA (the caller syncs after).
-template <bool kPaired>
-__device__ __forceinline__ void build_plan(const Params& p, const RoutedPlan& rp) {
-  xgemm::build_prefix(p.xg[0], rp.pf);
-  __syncwarp();
-  const int lane = threadIdx.x % 32, nb = num_minibatches(p, rp);
-  int run = 0;
-  for (int base = 0; base < nb; base += 32) {
-    const int b = base + lane;
-    int v = b < nb ? routed_units<kPaired>(p, rp, kRoutedUp, b) + routed_units<kPaired>(p, rp, kRoutedDown, b) : 0;
-#pragma unroll
-    for (int d = 1; d < 32; d *= 2) {
-      const int o = __shfl_up_sync(0xffffffffu, v, d);
-      if (lane >= d) v += o;
-    }
-    if (b < nb) rp.win[b + 1] = run + v;
-    run += __shfl_sync(0xffffffffu, v, 31);
-  }
-  if (lane == 0) rp.win[0] = 0;
+__device__ __forceinline__ int routed_units(const Params& p, int kind, int count) {
+  return m_units<kPaired>(p.xg[kind - kRoutedUp].n_blocks * count);
 }
 
 template <bool kPaired>
-__device__ __forceinline__ int num_tasks(const Params& p, const RoutedPlan& rp) {
-  return m_units<kPaired>(p.shared_mtiles) * (p.g[kSharedUp].n_tiles + p.g[kSharedDown].n_tiles) +
-         rp.win[num_minibatches(p, rp)];
+__device__ __forceinline__ int num_tasks(const Params& p, int chunks) {
+  const int shared = m_units<kPaired>(p.shared_mtiles) * (p.g[kSharedUp].n_tiles + p.g[kSharedDown].n_tiles);
+  if (chunks == 0) return shared;
+  const int nb = (chunks + p.mb_chunks - 1) / p.mb_chunks, last = chunks - (nb - 1) * p.mb_chunks;
+  const int per_mb = routed_units<kPaired>(p, kRoutedUp, p.mb_chunks) + routed_units<kPaired>(p, kRoutedDown, p.mb_chunks);
+  return shared + (nb - 1) * per_mb + routed_units<kPaired>(p, kRoutedUp, last) +
+         routed_units<kPaired>(p, kRoutedDown, last);
 }
 
 // Task t (< num_tasks) of the list in the header comment. Shared kinds: m is the m-tile or (paired)
 // the pair, n the n-tile. Routed kinds: m is the minibatch, n the unit inside the kind's part of it.
 template <bool kPaired>
-__device__ __forceinline__ Task decode(const Params& p, int t, const RoutedPlan& rp) {
+__device__ __forceinline__ Task decode(const Params& p, int t, int chunks) {
   const int n1s = p.g[kSharedUp].n_tiles, n2s = p.g[kSharedDown].n_tiles;
   const int su = m_units<kPaired>(p.shared_mtiles);
   const int s1 = su * n1s, s2 = su * n2s;
@@ -202,26 +162,24 @@ __device__ __forceinline__ Task decode(const Params& p, int t, const RoutedPlan&
   t -= s1;
   if (t < s2) return Task{kSharedDown, t / n2s, t % n2s};
   t -= s2;
-  int lo = 0, hi = num_minibatches(p, rp) - 1;  // last minibatch b with win[b] <= t
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (rp.win[mid] <= t) lo = mid; else hi = mid - 1;
-  }
-  const int r = t - rp.win[lo];
-  const int u1 = routed_units<kPaired>(p, rp, kRoutedUp, lo);
-  return r < u1 ? Task{kRoutedUp, lo, r} : Task{kRoutedDown, lo, r - u1};
+  const int per_mb = routed_units<kPaired>(p, kRoutedUp, p.mb_chunks) + routed_units<kPaired>(p, kRoutedDown, p.mb_chunks);
+  const int b = t / per_mb;  // every minibatch before the last is full
+  const int r = t - b * per_mb;
+  const int u1 = routed_units<kPaired>(p, kRoutedUp, min(p.mb_chunks, chunks - b * p.mb_chunks));
+  return r < u1 ? Task{kRoutedUp, b, r} : Task{kRoutedDown, b, r - u1};
 }
 
 // The expert task of CTA `rank` in routed unit tk (kind, minibatch, unit); false: none (the idle
 // half of an incomplete pair). *chunk: its global chunk index.
 template <bool kPaired>
-__device__ __forceinline__ bool routed_task(const Params& p, const RoutedPlan& rp, const Task& tk, int rank,
+__device__ __forceinline__ bool routed_task(const Params& p, const int* prefix, const Task& tk, int rank,
                                             xgemm::Task* out, int* chunk) {
-  const int i = kPaired ? 2 * tk.n + rank : tk.n;
-  if (i >= minibatch_tasks(p, rp, tk.kind, tk.m)) return false;
+  const xgemm::Params& xg = p.xg[tk.kind - kRoutedUp];
   const int g0 = tk.m * p.mb_chunks;
-  *out = xgemm::decode_window(p.xg[tk.kind - kRoutedUp], rp.pf, g0, min(p.mb_chunks, num_chunks(p, rp) - g0), i,
-                              chunk);
+  const int count = min(p.mb_chunks, prefix[p.nle] - g0);
+  const int i = kPaired ? 2 * tk.n + rank : tk.n;
+  if (i >= xg.n_blocks * count) return false;
+  *out = xgemm::decode_window(xg, prefix, g0, count, i, chunk);
   return true;
 }
 
@@ -305,10 +263,11 @@ __device__ __forceinline__ int mailbox_receive(const Mailbox& mb, uint32_t j, co
 }
 
 template <bool kPaired>
-__device__ __forceinline__ void producer(const Params& p, const TMaps& tm, const gemm::Smem& sm, const ExpertRing& ring,
-                         const RoutedPlan& rp, volatile int* stage_task, const Mailbox& mb) {
+__device__ void producer(const Params& p, const TMaps& tm, const gemm::Smem& sm, const ExpertRing& ring,
+                         const int* prefix, volatile int* stage_task, const Mailbox& mb) {
   const Watchdog w = watchdog(p);
-  const int total = num_tasks<kPaired>(p, rp);
+  const int chunks = prefix[p.nle];
+  const int total = num_tasks<kPaired>(p, chunks);
   const int rank = kPaired ? static_cast<int>(cluster_ctarank()) : 0;
   uint32_t it = 0;
   for (uint32_t j = 0;; ++j) {
@@ -321,7 +280,7 @@ __device__ __forceinline__ void producer(const Params& p, const TMaps& tm, const
       t = mailbox_receive(mb, j, w);
     }
     if (t < 0) break;
-    const Task tk = decode<kPaired>(p, t, rp);
+    const Task tk = decode<kPaired>(p, t, chunks);
     long long* rec = (p.timeline != nullptr && rank == 0 && t < p.timeline_tasks) ? timeline_record(p, t) : nullptr;
     if (rec != nullptr) rec[kClaimNs] = static_cast<long long>(globaltimer_ns());
     if (tk.kind == kSharedUp || tk.kind == kSharedDown) {
@@ -353,15 +312,15 @@ __device__ __forceinline__ void producer(const Params& p, const TMaps& tm, const
     // routed: this CTA's expert task; the idle half of an incomplete pair loads its partner's blocks
     xgemm::Task xt;
     int chunk = 0;
-    const bool own = routed_task<kPaired>(p, rp, tk, rank, &xt, &chunk);
-    if (!own) routed_task<kPaired>(p, rp, tk, 0, &xt, &chunk);
+    const bool own = routed_task<kPaired>(p, prefix, tk, rank, &xt, &chunk);
+    if (!own) routed_task<kPaired>(p, prefix, tk, 0, &xt, &chunk);
     const xgemm::Params& xg = p.xg[tk.kind - kRoutedUp];
     if (own) {
       if (tk.kind == kRoutedUp) {  // the chunk's rows dispatched (all 128-row m-tiles they touch)
         for (int m = xt.row0 / BM; m <= (xt.row0 + xt.n_tok - 1) / BM; ++m)
           wait_counter(ready_ctr(p, m), kUnitsPerTile, w);
       } else {  // the chunk's act rows: every gate/up block, once per consumer warpgroup
-        wait_counter(up_done_ctr(p, chunk), 2 * xgemm::blocks_of(p.xg[0], xt.tall), w);
+        wait_counter(up_done_ctr(p, chunk), 2 * p.xg[0].n_blocks, w);
       }
     }
     if (rec != nullptr) {
@@ -470,11 +429,12 @@ __device__ void pushers(const Params& p, const PushQueue& q, volatile int* s_mis
 // barriers, separate counter arrivals, separate sentinels), so a watchdog exit of one cannot strand
 // the other; inside a warpgroup every barrier is reached by all 128 threads in the same order.
 template <bool kPaired>
-__device__ __forceinline__ void consumer(const Params& p, const gemm::Smem& sm, const ExpertRing& ring, const RoutedPlan& rp,
+__device__ void consumer(const Params& p, const gemm::Smem& sm, const ExpertRing& ring, const int* prefix,
                          const volatile int* stage_task, int cw, volatile int* s_misc, const PushQueue& q) {
   const Watchdog w = watchdog(p);
   const int bar = 2 + cw;
   const bool leader = threadIdx.x % 128 == 0;
+  const int chunks = prefix[p.nle];
   const int rank = kPaired ? static_cast<int>(cluster_ctarank()) : 0;
   float acc[128];
   uint32_t it = 0;
@@ -487,7 +447,7 @@ __device__ __forceinline__ void consumer(const Params& p, const gemm::Smem& sm, 
     long long* rec = (p.timeline != nullptr && rank == 0 && cw == 0 && leader && t < p.timeline_tasks)
                          ? timeline_record(p, t) : nullptr;
     if (rec != nullptr) rec[kStartNs] = static_cast<long long>(globaltimer_ns());
-    const Task tk = decode<kPaired>(p, t, rp);
+    const Task tk = decode<kPaired>(p, t, chunks);
     if (tk.kind == kSharedUp || tk.kind == kSharedDown) {
       const gemm::Params& g = p.g[tk.kind];
       const int mt = p.shared_mtiles;
@@ -495,7 +455,7 @@ __device__ __forceinline__ void consumer(const Params& p, const gemm::Smem& sm, 
       const bool own = m < mt;  // paired, odd m-tile count: the last pair has one tile
       const int tile = min(m, mt - 1) * g.n_tiles + tk.n;
       const bool active = own && gemm::half_active(g, tile, cw);
-      gemm::mma_tile<true, kPaired, true>(g, sm, cw, acc, it, active, &w);
+      gemm::mma_tile<true, kPaired>(g, sm, cw, acc, it, active, &w);
       if (!own) continue;
       const int row_limit = gemm::rows_total(g);
       if (tk.kind == kSharedUp) {
@@ -512,13 +472,13 @@ __device__ __forceinline__ void consumer(const Params& p, const gemm::Smem& sm, 
       xgemm::Task xt;
       int chunk = 0;
       const xgemm::Params& xg = p.xg[tk.kind - kRoutedUp];
-      if (!routed_task<kPaired>(p, rp, tk, rank, &xt, &chunk)) {
+      if (!routed_task<kPaired>(p, prefix, tk, rank, &xt, &chunk)) {
         xgemm::skip_task<true, kPaired>(xg, ring, it, &w);
         continue;
       }
-      xgemm::mma_task_any<true, kPaired>(xg, ring, cw, acc, it, xt, &w);
+      xgemm::mma_task_any<true, kPaired>(xg, ring, cw, acc, it, xt.n_tok, &w);
       // decoded again: keeping the task live through the main loop costs registers
-      routed_task<kPaired>(p, rp, tk, rank, &xt, &chunk);
+      routed_task<kPaired>(p, prefix, tk, rank, &xt, &chunk);
       if (tk.kind == kRoutedUp) {
         xgemm::store_task<true>(xg, ring, xt, cw, acc);
         // The down tasks of this chunk read these rows through TMA in other CTAs.
@@ -530,11 +490,8 @@ __device__ __forceinline__ void consumer(const Params& p, const gemm::Smem& sm, 
         xgemm::store_task<false>(xg, ring, xt, cw, acc);
         __threadfence_block();    // the pushers (other warps of this CTA) read these rows of y
         warpgroup_bar_sync(bar);  // the warpgroup's columns of y are written
-        if (leader && xt.n_real > 0) {  // 64 columns per request: one per m64 block
-          const int col0 = xgemm::task_col0<false>(xt, cw);
-          push_enqueue(q, make_int4(xt.row0, xt.n_real, col0, 0), w);
-          if (xt.tall) push_enqueue(q, make_int4(xt.row0, xt.n_real, col0 + 64, 0), w);
-        }
+        if (leader && xt.n_real > 0)
+          push_enqueue(q, make_int4(xt.row0, xt.n_real, xt.block * xgemm::WM + cw * 64, 0), w);
       }
     }
     if (rec != nullptr) rec[kEndNs] = static_cast<long long>(globaltimer_ns());
@@ -553,9 +510,7 @@ template <bool kPaired>
 __global__ void __launch_bounds__(kThreads, 1)
     megakernel(const __grid_constant__ TMaps tm, const __grid_constant__ Params p) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  // the routed task list (static shared memory: 32-bit addressing, fewer registers)
-  __shared__ int plan_chunks[xgemm::kMaxSeg + 1], plan_talls[xgemm::kMaxSeg + 1], plan_win[kMaxMinibatches + 1];
-  const RoutedPlan rp{{plan_chunks, plan_talls}, plan_win};
+  __shared__ int chunk_prefix[xgemm::kMaxSeg + 1];  // routed token chunks of the experts before e
   const gemm::Smem sm = gemm::carve_smem(smem_raw);
   volatile int* stage_task = reinterpret_cast<volatile int*>(sm.empty + kStages);  // [kStages]
   volatile int* s_misc = stage_task + kStages;  // [0] role, [1] producer done, [2 + cw] last party
@@ -564,7 +519,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const PushQueue q{reinterpret_cast<volatile int4*>(push_bars + 2 * kPushSlots), push_bars, push_bars + kPushSlots,
                     const_cast<int*>(s_misc + 3)};
   const ExpertRing ring{sm, reinterpret_cast<__nv_bfloat16*>(const_cast<int4*>(q.req + kPushSlots))};
-  if (threadIdx.x >= 32 && threadIdx.x < 64) build_plan<kPaired>(p, rp);
+  if (threadIdx.x >= 32 && threadIdx.x < 64) xgemm::build_chunk_prefix(p.xg[0], chunk_prefix);
   const int rank = kPaired ? static_cast<int>(cluster_ctarank()) : 0;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -609,14 +564,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         tma_prefetch_desc(&tm.a[i]);
         tma_prefetch_desc(&tm.b[i]);
       }
-      producer<kPaired>(p, tm, sm, ring, rp, stage_task, mb);
+      producer<kPaired>(p, tm, sm, ring, chunk_prefix, stage_task, mb);
       s_misc[1] = 1;
     } else if (threadIdx.x >= 32) {
       pushers(p, q, s_misc);
     }
   } else {
     setmaxnreg_inc<224>();
-    consumer<kPaired>(p, sm, ring, rp, stage_task, wg - 1, s_misc, q);
+    consumer<kPaired>(p, sm, ring, chunk_prefix, stage_task, wg - 1, s_misc, q);
   }
   // paired: no CTA leaves while its peer may still multicast into it or arrive on its barriers
   if constexpr (kPaired) cluster_sync();
@@ -699,9 +654,7 @@ const char* launch_megakernel(const MegaArgs& a, cudaStream_t stream) {
   if (const char* m = make_tmap_bf16_2d(&tm.b[kRoutedDown], a.act, cap, I, I, xgemm::kXBox)) return m;
   p.xg[0] = xgemm::make_params(a.expert_offsets, a.expert_counts, a.nle, cap, H, I, true, a.act, a.h);
   p.xg[1] = xgemm::make_params(a.expert_offsets, a.expert_counts, a.nle, cap, I, H, false, a.y_routed, nullptr);
-  // minibatches of minibatch_rows / 256 token chunks, at least 1, and few enough for the plan
-  // (chunks <= capacity / 128); the size only schedules, no bit depends on it
-  p.mb_chunks = std::max({1, a.minibatch_rows / xgemm::kMaxTok, ceil_div(cap / BM, kMaxMinibatches)});
+  p.mb_chunks = std::max(1, a.minibatch_rows / xgemm::kMaxTok);
   p.num_comm = a.num_comm;
   p.max_mtiles = cap / BM;
   p.n_counters = static_cast<int>(megakernel_counter_ints(cap, T));

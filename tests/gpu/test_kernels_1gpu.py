@@ -90,13 +90,12 @@ def _expert_case(K, N, swiglu, counts, seed):
 @pytest.mark.parametrize("K,N", [(256, 256), (384, 192), (136, 40), (1024, 520)])
 def test_expert_gemm_matches_matmul(swiglu, K, N, monkeypatch):
     """The expert-major GEMM (the default with seg_counts): token chunks of 1..256 rows in every
-    16-row size class, experts with 0, 1, 256, 257 and 700 rows, tall tasks (<= 128 rows: 1, 15, 17,
-    48, 64, 128); real rows against fp32 matmul, padding rows +0, rows past the last segment
-    untouched, bits independent of the CTA count."""
+    16-row size class, experts with 0, 1, 256, 257 and 700 rows; real rows against fp32 matmul,
+    padding rows +0, rows past the last segment untouched, bits independent of the CTA count."""
     from megatron_mok import ops
 
     monkeypatch.setenv("MOK_GEMM_EXPERT", "1")
-    counts = [130, 0, 1, 255, 256, 257, 700, 17, 48, 128, 200, 15, 64]
+    counts = [130, 0, 1, 255, 256, 257, 700, 17, 48, 200, 15]
     a, b, seg, cnt, offs = _expert_case(K, N, swiglu, counts, K * 5 + N)
     cap = a.shape[0]
     first = None
@@ -299,19 +298,13 @@ def test_megakernel_timeline_records_every_task(paired, monkeypatch):
     shared_units = (T + 127) // 128 if paired == "0" else (T + 255) // 256
     expect = {(0, m, n) for m in range(shared_units) for n in range(n_sup)}
     expect |= {(1, m, n) for m in range(shared_units) for n in range(n_sdown)}
-    # routed experts: expert-major tasks (global token chunk, weight block); experts with <= 128 rows
-    # run one tall chunk (256 weight rows per task). Paired, a record is the unit's first task:
-    # ceil(tasks / 2) per kind and minibatch of 1024 / 256 = 4 chunks.
-    chunk_tall = []
-    for n in sched.expert_counts.tolist():
-        chunk_tall += [True] if 0 < n <= 128 else [False] * ((n + 255) // 256)
-    n_blocks = {2: lambda tall: (I + 127) // 128 if tall else (I + 63) // 64,
-                3: lambda tall: (H + 255) // 256 if tall else (H + 127) // 128}
-    routed_all = {(kind, g, b) for kind, nb in n_blocks.items() for g, tall in enumerate(chunk_tall)
-                  for b in range(nb(tall))}
-    per = 2 if paired == "1" else 1
-    units = {kind: sum((sum(nb(t) for t in chunk_tall[g0:g0 + 4]) + per - 1) // per
-                       for g0 in range(0, len(chunk_tall), 4)) for kind, nb in n_blocks.items()}
+    # routed experts: expert-major tasks (global token chunk, weight block); paired, a record is the
+    # unit's first task: ceil(tasks / 2) per kind and minibatch of 1024 / 256 = 4 chunks
+    chunks = sum((int(c) + 255) // 256 for c in sched.expert_counts.tolist())
+    n_blocks = {2: (I + 63) // 64, 3: (H + 127) // 128}
+    routed_all = {(kind, g, b) for kind, nb in n_blocks.items() for g in range(chunks) for b in range(nb)}
+    units = {kind: sum((nb * min(4, chunks - g0) + (paired == "1")) // (1 + (paired == "1"))
+                       for g0 in range(0, chunks, 4)) for kind, nb in n_blocks.items()}
     r = records.cpu()
     tasks = r[:-timeline.DISPATCH_RECORDS]
     tasks = tasks[tasks[:, 3] > 0]
