@@ -21,10 +21,10 @@
 //
 // Real rows get the products; padding rows of a segment get +0, as from the token-major GEMM.
 //
-// Measured (docs/KERNELS.md, third session of 2026-11-30): a task costs what its operands cost to
-// bring into the SM (~55 GB/s per SM) plus shared-memory reads; chunks of ~256 rows come closest to
-// the dense tile. Experts with 64-85 rows (chunks of N ~ 64-96) run 7-12% slower than the
-// token-major tiles did.
+// Measured (docs/KERNELS.md, third session of 2026-11-30): a task's time follows the bytes it
+// brings into the SM; ncu names L2 throughput (80-91%) as the busiest unit. Chunks of ~256 rows
+// come closest to the dense tile. Experts with 64-85 rows (chunks of N ~ 64-96) run 7-12% slower
+// than the token-major tiles did.
 #pragma once
 
 #include <cute/arch/mma_sm90_gmma.hpp>
