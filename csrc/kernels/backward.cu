@@ -45,28 +45,12 @@ __global__ void __launch_bounds__(kMapThreads)
   __shared__ int s_toffs[kMapThreads + 1];
   __shared__ int s_warp[kMapThreads / 32];
   const int e = threadIdx.x, lane = e % 32, warp = e / 32;
-  int rows = 0, padded_start = 0;
-  if (e < nle) {
-    padded_start = offsets[e];
-    rows = max(0, min(counts[e], offsets[e + 1] - padded_start));
-  }
-  int v = (rows + align - 1) / align * align;  // inclusive scan: warp, then warp totals
-#pragma unroll
-  for (int off = 1; off < 32; off *= 2) {
-    const int o = __shfl_up_sync(0xffffffffu, v, off);
-    if (lane >= off) v += o;
-  }
+  const int rows = e < nle ? segment_rows(counts, offsets, e) : 0;
+  // inclusive scan: warp, then warp totals
+  int v = warp_inclusive_sum((rows + align - 1) / align * align);
   if (lane == 31) s_warp[warp] = v;
   __syncthreads();
-  if (warp == 0) {
-    int w = lane < kMapThreads / 32 ? s_warp[lane] : 0;
-#pragma unroll
-    for (int off = 1; off < 32; off *= 2) {
-      const int o = __shfl_up_sync(0xffffffffu, w, off);
-      if (lane >= off) w += o;
-    }
-    s_warp[lane] = w;
-  }
+  if (warp == 0) s_warp[lane] = warp_inclusive_sum(lane < kMapThreads / 32 ? s_warp[lane] : 0);
   __syncthreads();
   if (warp > 0) v += s_warp[warp - 1];
   if (e == 0) s_toffs[0] = 0;
@@ -84,8 +68,7 @@ __global__ void __launch_bounds__(kMapThreads)
         if (s_toffs[mid] <= t) lo = mid; else hi = mid;
       }
       const int j = t - s_toffs[lo];
-      const int seg_rows = max(0, min(counts[lo], offsets[lo + 1] - offsets[lo]));
-      if (j < seg_rows) p = offsets[lo] + j;
+      if (j < segment_rows(counts, offsets, lo)) p = offsets[lo] + j;
     }
     trow[t] = p;
   }

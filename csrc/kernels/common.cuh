@@ -118,6 +118,23 @@ __device__ __forceinline__ uint4 ld16(const void* p) { return *reinterpret_cast<
 __device__ __forceinline__ void st16(void* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
+// Inclusive sum of v over the lanes 0..lane of a full warp.
+__device__ __forceinline__ int warp_inclusive_sum(int v) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int off = 1; off < 32; off *= 2) {
+    const int o = __shfl_up_sync(0xffffffffu, v, off);
+    if (lane >= off) v += o;
+  }
+  return v;
+}
+
+// Real rows of expert e that its padded segment holds: min(counts[e], segment size), smaller than
+// the count only after a capacity overflow (which the schedule flags).
+__device__ __forceinline__ int segment_rows(const int* counts, const int* offsets, int e) {
+  return max(0, min(counts[e], offsets[e + 1] - offsets[e]));
+}
+
 // 8 bf16 <-> 8 fp32 (one 16-byte vector); packing rounds to nearest.
 __device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);

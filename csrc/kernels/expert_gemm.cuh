@@ -92,7 +92,7 @@ __host__ __device__ constexpr int chunks_of(int rows) { return (rows + kMaxTok -
 // flags, the counts exceed the clipped segments: tasks stay inside them, and the chunk count stays
 // <= the 128-row blocks, which bounds the megakernel's per-chunk counters).
 __device__ __forceinline__ int seg_rows(const Params& p, int e) {
-  return max(0, min(p.seg_counts[e], p.seg_offsets[e + 1] - p.seg_offsets[e]));
+  return segment_rows(p.seg_counts, p.seg_offsets, e);
 }
 
 // Warp 0: chunk_prefix[e] = sum of chunks_of(seg_counts[i]) for i < e (the caller syncs after).
@@ -101,13 +101,7 @@ __device__ __forceinline__ void build_chunk_prefix(const Params& p, int* prefix)
   int running = 0;
   for (int base = 0; base < p.nseg; base += 32) {
     const int e = base + lane;
-    const int v = e < p.nseg ? chunks_of(seg_rows(p, e)) : 0;
-    int incl = v;
-#pragma unroll
-    for (int d = 1; d < 32; d *= 2) {
-      const int o = __shfl_up_sync(0xffffffffu, incl, d);
-      if (lane >= d) incl += o;
-    }
+    const int incl = warp_inclusive_sum(e < p.nseg ? chunks_of(seg_rows(p, e)) : 0);
     if (e < p.nseg) prefix[e + 1] = running + incl;
     running += __shfl_sync(0xffffffffu, incl, 31);
   }
