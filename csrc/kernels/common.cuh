@@ -243,16 +243,6 @@ __device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
 }
 #undef MOK_TRY_WAIT
 
-// Whether the mbarrier's phase completed, without waiting (try_wait may suspend for a while).
-__device__ __forceinline__ bool mbar_test_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t ok;
-  asm volatile("{\n.reg .pred P1;\nmbarrier.test_wait.parity.shared::cta.b64 P1, [%1], %2;\nselp.b32 %0, 1, 0, P1;\n}\n"
-               : "=r"(ok)
-               : "r"(smem_u32(bar)), "r"(parity)
-               : "memory");
-  return ok != 0;
-}
-
 // mbar_wait with a watchdog; false: gave up (the phase did not complete).
 template <bool kClusterAcquire = false>
 __device__ __forceinline__ bool mbar_wait_watch(uint64_t* bar, uint32_t parity, const Watchdog& w) {
@@ -470,15 +460,15 @@ inline const char* make_tmap_bf16_2d(CUtensorMap* map, const void* base, uint64_
 }
 
 // Gate/up weights [nseg * 2 n, k] (per expert: n gate rows, then n up rows) seen as 4D
-// {k, 8 rows, gate|up, 8-row block}: a box {64, 8, 2, pairs} is 64 K-columns of `pairs` pairs
-// [8 gate rows; the same 8 up rows], 16 x pairs rows in shared memory. The block count stops n rows short
+// {k, 8 rows, gate|up, 8-row block}: a box {64, 8, 2, 8} is 64 K-columns of eight pairs
+// [8 gate rows; the same 8 up rows], 128 rows in shared memory. The block count stops n rows short
 // of the end, so that no in-bounds coordinate addresses past the tensor (blocks past it read zeros).
 inline const char* make_tmap_gate_up_pairs(CUtensorMap* map, const void* base, uint64_t nseg, uint64_t n,
-                                           uint64_t k, uint32_t pairs) {
+                                           uint64_t k) {
   if (n % 8) return "mok: the gate/up pair map needs n a multiple of 8";
   const cuuint64_t dims[4] = {k, 8, 2, (nseg * 2 * n - n) / 8};
   const cuuint64_t strides[3] = {k * 2, n * k * 2, 8 * k * 2};
-  const cuuint32_t box[4] = {64, 8, 2, pairs};
+  const cuuint32_t box[4] = {64, 8, 2, 8};
   return encode_tmap_bf16(map, base, 4, dims, strides, box);
 }
 

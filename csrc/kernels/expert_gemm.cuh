@@ -38,34 +38,20 @@
 namespace mok {
 namespace xgemm {
 
+constexpr int WM = 128;           // weight rows per tile (64 per consumer warpgroup)
 constexpr int kMaxTok = 256;      // token rows per task (wgmma N <= 256)
 constexpr int kTokAlign = 16;     // token rows of a task are a multiple of this (wgmma N granularity used)
 constexpr int BK = 64;            // K per stage (one 128-byte swizzle atom of bf16)
+constexpr int kStages = 4;
+constexpr int kThreads = 384;     // warpgroup 0: producer; 1, 2: consumers
 constexpr int kXBox = 64;         // token rows per TMA box
+constexpr int kWBytes = WM * BK * 2;        // 16 KB
 constexpr int kXBytes = kMaxTok * BK * 2;   // 32 KB
 constexpr int kStageStride = 72;            // epilogue staging row: 64 columns + 8 (bank spread)
 constexpr int kStageBytesPerWG = 64 * kStageStride * 2;  // 64 tokens
 constexpr int kMaxSeg = 512;      // experts per launch (task prefix kept in shared memory)
-
-// The task shape of kCW consumer warpgroups (64 weight rows each, warpgroups 0 .. kCW - 1).
-// Two: 128 x 256 tasks, a 4 x 48 KB ring, a producer warpgroup after them (the megakernel's shape).
-// Three: 192 x 256 tasks bring 17% more bytes per stage into the SM for 50% more MMA work (L2
-// throughput is the busiest unit, docs/KERNELS.md), in a 3 x 56 KB ring. ptxas compiles every
-// thread for its CTA's average register share (setmaxnreg does not raise it), and 128
-// accumulators need ~154 registers: at most 12 warps, so the producer is thread 0 (InlineFeed).
-template <int kCW>
-struct Tile {
-  static_assert(kCW == 2 || kCW == 3, "two or three consumer warpgroups");
-  static constexpr int kConsumers = kCW;
-  static constexpr int WM = 64 * kCW;  // weight rows per task
-  static constexpr int kThreads = 384;
-  static constexpr int kStages = kCW == 2 ? 4 : 3;
-  static constexpr int kWBytes = WM * BK * 2;
-  static constexpr int kOffStaging = kStages * (kWBytes + kXBytes);
-  static constexpr int kOffBarriers = kOffStaging + kCW * kStageBytesPerWG;
-  // dynamic shared memory; the chunk prefix ([kMaxSeg + 1] ints) is static shared memory of the kernel
-  static constexpr int kSmemBytes = kOffBarriers + 2 * kStages * 8 + 1024 /* alignment */;
-};
+// dynamic shared memory; the chunk prefix ([kMaxSeg + 1] ints) is static shared memory of the kernel
+constexpr int kSmemBytes = kStages * (kWBytes + kXBytes) + 2 * kStageBytesPerWG + 2 * kStages * 8 + 1024 /* alignment */;
 
 struct Params {
   const int* seg_offsets;  // [nseg + 1] token row offsets (segments may hold padding rows)
@@ -80,28 +66,24 @@ struct Params {
   __nv_bfloat16* pre_out;  // SwiGLU only, optional: [rows, 2 N] = [gate | up] (bf16-rounded)
 };
 
-// Shared memory of the staged kernel: the ring, the epilogue's staging tiles, the ring barriers.
-// Only the 1024-aligned base is kept (the rest are constant offsets: fewer live registers, no spill).
-template <int kCW>
-struct Smem : Tile<kCW> {
-  using T = Tile<kCW>;
+// Shared memory: the ring, the epilogue's staging tiles, the ring barriers. Only the 1024-aligned
+// base is kept (the rest are constant offsets: fewer live registers, no spill).
+constexpr int kOffStaging = kStages * (kWBytes + kXBytes);
+constexpr int kOffBarriers = kOffStaging + 2 * kStageBytesPerWG;
+
+struct Smem {
   uint8_t* base;
-  __device__ __forceinline__ uint8_t* w(int s) const { return base + s * T::kWBytes; }
-  __device__ __forceinline__ uint8_t* x(int s) const { return base + T::kStages * T::kWBytes + s * kXBytes; }
+  __device__ __forceinline__ uint8_t* w(int s) const { return base + s * kWBytes; }
+  __device__ __forceinline__ uint8_t* x(int s) const { return base + kStages * kWBytes + s * kXBytes; }
   __device__ __forceinline__ __nv_bfloat16* staging(int cw) const {
-    return reinterpret_cast<__nv_bfloat16*>(base + T::kOffStaging) + cw * (64 * kStageStride);
+    return reinterpret_cast<__nv_bfloat16*>(base + kOffStaging) + cw * (64 * kStageStride);
   }
-  __device__ __forceinline__ uint64_t* full(int s) const {
-    return reinterpret_cast<uint64_t*>(base + T::kOffBarriers) + s;
-  }
-  __device__ __forceinline__ uint64_t* empty(int s) const { return full(T::kStages + s); }
+  __device__ __forceinline__ uint64_t* full(int s) const { return reinterpret_cast<uint64_t*>(base + kOffBarriers) + s; }
+  __device__ __forceinline__ uint64_t* empty(int s) const { return full(kStages + s); }
 };
 
-template <int kCW>
-__device__ __forceinline__ Smem<kCW> carve_smem(uint8_t* raw) {
-  Smem<kCW> s;
-  s.base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
-  return s;
+__device__ __forceinline__ Smem carve_smem(uint8_t* raw) {
+  return Smem{reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023))};
 }
 
 __host__ __device__ constexpr int chunks_of(int rows) { return (rows + kMaxTok - 1) / kMaxTok; }
@@ -193,110 +175,31 @@ __device__ __forceinline__ Task decode_window(const Params& p, const int* prefix
 
 // ---- the ring ------------------------------------------------------------------------------------
 
-// K-block kb of task t into stage s (whose empty phase the caller waited for): the weight tile and
-// the task's token rows. `Ring` gives the stages (w(s), x(s): the token-major ring's a(s), b(s)
-// layout) and their barriers (full(s), empty(s)).
-template <bool kSwiGLU, class Ring>
-__device__ __forceinline__ void load_kblock(const Params& p, const CUtensorMap* tmW, const CUtensorMap* tmX,
-                                            const Ring& sm, const Task& t, int kb, int s) {
-  constexpr int WM = Ring::WM;
-  const int nbox = (t.n_tok + kXBox - 1) / kXBox;
-  // SwiGLU: the 4D map's outer coordinate counts 8-row blocks of the gate half
-  const int wcoord = kSwiGLU ? (t.seg * p.w_rows_per_seg + t.block * (WM / 2)) / 8 : t.seg * p.w_rows_per_seg + t.block * WM;
-  mbar_arrive_expect_tx(sm.full(s), Ring::kWBytes + nbox * kXBox * BK * 2);
-  if constexpr (kSwiGLU)
-    tma_load_4d(sm.w(s), tmW, sm.full(s), kb * BK, 0, 0, wcoord);
-  else
-    tma_load_2d(sm.w(s), tmW, sm.full(s), kb * BK, wcoord);
-  for (int i = 0; i < nbox; ++i)
-    tma_load_2d(sm.x(s) + i * kXBox * 128, tmX, sm.full(s), kb * BK, t.row0 + i * kXBox);
-}
-
-// Producer thread: all K-blocks of task t. Megakernel (kWatch): waits under the watchdog, and
-// `tag` goes to stage_tag[s] of the task's first stage before it is armed.
+// Producer thread: the weight tile and the task's token rows, K block by K block. `Ring` gives the
+// stages (w(s), x(s): the token-major ring's a(s), b(s) layout) and their barriers (full(s),
+// empty(s)). Megakernel (kWatch): waits under the watchdog, and `tag` goes to stage_tag[s] of the
+// task's first stage before it is armed.
 template <bool kSwiGLU, bool kWatch = false, class Ring>
 __device__ __forceinline__ void produce_task(const Params& p, const CUtensorMap* tmW, const CUtensorMap* tmX,
                                              const Ring& sm, const Task& t, uint32_t& it, const Watchdog* w = nullptr,
                                              volatile int* stage_tag = nullptr, int tag = 0) {
   const int nk = (p.K + BK - 1) / BK;
+  const int nbox = (t.n_tok + kXBox - 1) / kXBox;
+  // SwiGLU: the 4D map's outer coordinate counts 8-row blocks of the gate half
+  const int wcoord = kSwiGLU ? (t.seg * p.w_rows_per_seg + t.block * (WM / 2)) / 8 : t.seg * p.w_rows_per_seg + t.block * WM;
   for (int kb = 0; kb < nk; ++kb, ++it) {
-    const int s = it % Ring::kStages;
-    gemm::ring_wait<kWatch>(sm.empty(s), ((it / Ring::kStages) & 1) ^ 1, w);
+    const int s = it % kStages;
+    gemm::ring_wait<kWatch>(sm.empty(s), ((it / kStages) & 1) ^ 1, w);
     if (stage_tag != nullptr && kb == 0) stage_tag[s] = tag;
-    load_kblock<kSwiGLU>(p, tmW, tmX, sm, t, kb, s);
+    mbar_arrive_expect_tx(sm.full(s), kWBytes + nbox * kXBox * BK * 2);
+    if constexpr (kSwiGLU)
+      tma_load_4d(sm.w(s), tmW, sm.full(s), kb * BK, 0, 0, wcoord);
+    else
+      tma_load_2d(sm.w(s), tmW, sm.full(s), kb * BK, wcoord);
+    for (int i = 0; i < nbox; ++i)
+      tma_load_2d(sm.x(s) + i * kXBox * 128, tmX, sm.full(s), kb * BK, t.row0 + i * kXBox);
   }
 }
-
-// Consumers that have a producer beside them feed nothing.
-struct NoFeed {
-  __device__ __forceinline__ void operator()(uint32_t) const {}
-};
-
-// A CTA without a producer warp (three consumer warpgroups fill all 12 warps that 152+ registers
-// allow): thread 0 loads ahead from inside the consumers' loop. Before a consumer waits for ring
-// iteration `it`, it issues every load of an iteration < it + kStages whose stage is free, and
-// blocks only for `it` itself (all warps have freed it - kStages by then, so nothing deadlocks).
-// The cursor and the decoded tasks it loads live in shared memory: the registers belong to the
-// accumulators, and the tasks are decoded between tasks (prepare), not inside the main loop.
-constexpr int kFeedQueue = 4;  // decoded tasks: the current one and the next three (the loads reach <= kStages - 1 ahead)
-
-struct FeedCursor {
-  int j, kb;    // next task (the CTA's j-th) and K-block to load
-  uint32_t it;  // next ring iteration to load
-  Task queue[kFeedQueue];  // task j' in slot j' % kFeedQueue
-};
-
-template <bool kSwiGLU, class Ring>
-struct InlineFeed {
-  static_assert(kFeedQueue >= Ring::kStages, "the loads run at most kStages - 1 iterations ahead");
-  const Params& p;
-  const CUtensorMap* tmW;
-  const CUtensorMap* tmX;
-  const Ring& sm;
-  const int* prefix;
-  int tasks;
-  FeedCursor* cur;
-
-  __device__ __forceinline__ int task_of(int j) const { return blockIdx.x + j * gridDim.x; }
-
-  // Thread 0, before the consumers start the CTA's j-th task: tasks j .. j + kFeedQueue - 1 decoded.
-  __device__ __forceinline__ void prepare(int j) const {
-    if (threadIdx.x != 0) return;
-    if (j == 0) {
-      cur->j = cur->kb = 0;
-      cur->it = 0;
-    }
-    for (int q = j == 0 ? 0 : kFeedQueue - 1; q < kFeedQueue; ++q)
-      if (task_of(j + q) < tasks) cur->queue[(j + q) % kFeedQueue] = decode(p, prefix, task_of(j + q));
-  }
-
-  __device__ __forceinline__ void operator()(uint32_t it) const {
-    if (threadIdx.x == 0) {
-      const int nk = (p.K + BK - 1) / BK;
-      uint32_t pit = cur->it;
-      int j = cur->j, kb = cur->kb;
-      while (task_of(j) < tasks && pit < it + Ring::kStages) {
-        const int s = pit % Ring::kStages;
-        const uint32_t phase = ((pit / Ring::kStages) & 1) ^ 1;
-        if (pit > it) {
-          if (!mbar_test_wait(sm.empty(s), phase)) break;
-        } else {
-          mbar_wait(sm.empty(s), phase);
-        }
-        load_kblock<kSwiGLU>(p, tmW, tmX, sm, cur->queue[j % kFeedQueue], kb, s);
-        ++pit;
-        if (++kb == nk) {
-          kb = 0;
-          ++j;
-        }
-      }
-      cur->it = pit;
-      cur->j = j;
-      cur->kb = kb;
-    }
-    __syncwarp();
-  }
-};
 
 // wgmma m64 nN k16 through CuTe's SM90 atoms, on the first N / 2 accumulators.
 template <int N>
@@ -334,19 +237,18 @@ __device__ __forceinline__ void wgmma_n(float (&d)[128], uint64_t da, uint64_t d
 // Consumer warpgroup `cw`: weight rows 64 cw .. 64 cw + 63 of the stage against its N token rows.
 // kPaired (megakernel clusters): a stage is freed on both CTAs' empty barriers (the ring protocol
 // of grouped_gemm.cuh; the expert tasks themselves share nothing).
-template <int N, bool kWatch, bool kPaired, class Ring, class Feed>
+template <int N, bool kWatch, bool kPaired, class Ring>
 __device__ __forceinline__ void mma_task(const Params& p, const Ring& sm, int cw, float (&acc)[128], uint32_t& it,
-                                         const Watchdog* w, const Feed& feed) {
+                                         const Watchdog* w) {
   const int nk = (p.K + BK - 1) / BK;
   int prev = -1;
   for (int kb = 0; kb < nk; ++kb, ++it) {
-    feed(it);
-    const int s = it % Ring::kStages;
-    gemm::ring_wait<kWatch>(sm.full(s), (it / Ring::kStages) & 1, w);
+    const int s = it % kStages;
+    gemm::ring_wait<kWatch>(sm.full(s), (it / kStages) & 1, w);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
-      const uint64_t da = wgmma_desc_sw128(sm.w(s) + cw * 64 * 128 + kk * 32);
+      const uint64_t da = wgmma_desc_sw128(sm.w(s) + cw * (WM / 2) * 128 + kk * 32);
       const uint64_t db = wgmma_desc_sw128(sm.x(s) + kk * 32);
       wgmma_n<N>(acc, da, db, kb > 0 || kk > 0, std::make_index_sequence<N / 2>{});
     }
@@ -364,38 +266,24 @@ __device__ __forceinline__ void mma_task(const Params& p, const Ring& sm, int cw
 
 // A task this warpgroup does not compute (the idle half of an incomplete megakernel pair): keep the
 // ring's phases only.
-template <bool kWatch, bool kPaired, class Ring, class Feed = NoFeed>
-__device__ __forceinline__ void skip_task(const Params& p, const Ring& sm, uint32_t& it, const Watchdog* w,
-                                          const Feed& feed = Feed{}) {
+template <bool kWatch, bool kPaired, class Ring>
+__device__ __forceinline__ void skip_task(const Params& p, const Ring& sm, uint32_t& it, const Watchdog* w) {
   const int nk = (p.K + BK - 1) / BK;
   for (int kb = 0; kb < nk; ++kb, ++it) {
-    feed(it);
-    const int s = it % Ring::kStages;
-    gemm::ring_wait<kWatch>(sm.full(s), (it / Ring::kStages) & 1, w);
+    const int s = it % kStages;
+    gemm::ring_wait<kWatch>(sm.full(s), (it / kStages) & 1, w);
     gemm::release_stage<kPaired>(sm.empty(s));
   }
 }
 
-// Whether consumer warpgroup cw has weight rows of the task's block inside the expert (the last
-// block of an N that is not a multiple of the task's columns leaves whole warpgroups out).
-template <bool kSwiGLU, class Ring>
-__device__ __forceinline__ bool rows_active(const Params& p, const Task& t, int cw) {
-  return kSwiGLU ? t.block * (Ring::WM / 2) + 32 * cw < p.N : t.block * Ring::WM + 64 * cw < p.N;
-}
-
-// The task's N as a template argument (N = 16 .. 256); an inactive warpgroup only keeps the ring.
-template <bool kWatch = false, bool kPaired = false, class Ring, class Feed = NoFeed>
+// The task's N as a template argument (N = 16 .. 256).
+template <bool kWatch = false, bool kPaired = false, class Ring>
 __device__ __forceinline__ void mma_task_any(const Params& p, const Ring& sm, int cw, float (&acc)[128], uint32_t& it,
-                                             int n_tok, bool active, const Watchdog* w = nullptr,
-                                             const Feed& feed = Feed{}) {
-  if (!active) {
-    skip_task<kWatch, kPaired>(p, sm, it, w, feed);
-    return;
-  }
+                                             int n_tok, const Watchdog* w = nullptr) {
   switch (n_tok / kTokAlign) {
 #define MOK_XGEMM_CASE(U) \
   case U:                 \
-    mma_task<U * kTokAlign, kWatch, kPaired>(p, sm, cw, acc, it, w, feed); \
+    mma_task<U * kTokAlign, kWatch, kPaired>(p, sm, cw, acc, it, w); \
     break;
     MOK_XGEMM_CASE(1) MOK_XGEMM_CASE(2) MOK_XGEMM_CASE(3) MOK_XGEMM_CASE(4) MOK_XGEMM_CASE(5) MOK_XGEMM_CASE(6)
     MOK_XGEMM_CASE(7) MOK_XGEMM_CASE(8) MOK_XGEMM_CASE(9) MOK_XGEMM_CASE(10) MOK_XGEMM_CASE(11)
@@ -419,12 +307,6 @@ __device__ __forceinline__ void mma_task_any(const Params& p, const Ring& sm, in
 __device__ __forceinline__ void st_shared_bf16(uint32_t addr, float v) {
   const __nv_bfloat16 b = __float2bfloat16_rn(v);
   asm volatile("st.shared.b16 [%0], %1;" ::"r"(addr), "h"(*reinterpret_cast<const uint16_t*>(&b)) : "memory");
-}
-
-__device__ __forceinline__ uint32_t opaque_u32(uint32_t v) {
-  uint32_t o;
-  asm volatile("mov.b32 %0, %1;" : "=r"(o) : "r"(v));
-  return o;
 }
 
 __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
@@ -473,56 +355,51 @@ __device__ __forceinline__ void store_task(const Params& p, const Ring& sm, cons
     const int row0 = tk.row0 + 64 * sl;
     const int n_real = tk.n_real - 64 * sl;
     for (int round = 0; round < rounds; ++round) {
-      // This thread's first staging element (token 2 q, column 8 w + r or 16 w + r), made opaque so
-      // that the 16-32 addresses below stay immediate offsets of it rather than registers hoisted
-      // out of the loops (which spilled with three consumer warpgroups).
-      const uint32_t mine = opaque_u32(stg + 2 * (2 * q * kStageStride + (kSwiGLU ? 8 : 16) * w + r));
 #pragma unroll
       for (int g8 = 0; g8 < 8; ++g8) {
         const int g = 8 * sl + g8;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const uint32_t at = mine + 2 * (8 * g8 + h) * kStageStride;  // token 8 g8 + 2 q + h
+          const int c = 8 * g8 + 2 * q + h;
           const float lo = acc[4 * g + h], hi = acc[4 * g + 2 + h];
           if constexpr (kSwiGLU) {
             // lo: gate j, hi: up j, j = 8 w + r of this warpgroup's 32 columns
             const float v = round == 0 ? swiglu(lo, hi) : (round == 1 ? lo : hi);
-            st_shared_bf16(at, v);
+            st_shared_bf16(stg + 2 * (c * kStageStride + 8 * w + r), v);
           } else {
-            st_shared_bf16(at, lo);
-            st_shared_bf16(at + 2 * 8, hi);
+            st_shared_bf16(stg + 2 * (c * kStageStride + 16 * w + r), lo);
+            st_shared_bf16(stg + 2 * (c * kStageStride + 16 * w + 8 + r), hi);
           }
         }
       }
       if constexpr (kSwiGLU) {
-        const int col0 = tk.block * (Ring::WM / 2) + cw * 32;
+        const int col0 = tk.block * (WM / 2) + cw * 32;
         __nv_bfloat16* dst = round == 0 ? p.out : p.pre_out + (round == 2 ? p.N : 0);
         flush_staging(stg, 32, dst, round == 0 ? p.N : 2 * p.N, row0, col0, p.N, n_real, bar);
         // pre_out's column bound is N for both halves (col0 < N), the offset picks the half
       } else {
-        flush_staging(stg, 64, p.out, p.N, row0, tk.block * Ring::WM + cw * 64, p.N, n_real, bar);
+        flush_staging(stg, 64, p.out, p.N, row0, tk.block * WM + cw * 64, p.N, n_real, bar);
       }
     }
   }
   if (tk.pad1 > tk.pad0) {
     if constexpr (kSwiGLU) {
-      const int col0 = tk.block * (Ring::WM / 2) + cw * 32;
+      const int col0 = tk.block * (WM / 2) + cw * 32;
       zero_rows(p.out, p.N, tk.pad0, tk.pad1, col0, 32, p.N);
       if (p.pre_out != nullptr) {
         zero_rows(p.pre_out, 2 * p.N, tk.pad0, tk.pad1, col0, 32, p.N);
         zero_rows(p.pre_out + p.N, 2 * p.N, tk.pad0, tk.pad1, col0, 32, p.N);
       }
     } else {
-      zero_rows(p.out, p.N, tk.pad0, tk.pad1, tk.block * Ring::WM + cw * 64, 64, p.N);
+      zero_rows(p.out, p.N, tk.pad0, tk.pad1, tk.block * WM + cw * 64, 64, p.N);
     }
   }
 }
 
 // ---- host side -----------------------------------------------------------------------------------
 
-// wm: weight rows per task (Tile<kCW>::WM).
 inline Params make_params(const int* seg_offsets, const int* seg_counts, int nseg, int a_rows, int K, int N,
-                          bool swiglu, void* out, void* pre_out, int wm) {
+                          bool swiglu, void* out, void* pre_out) {
   Params p{};
   p.seg_offsets = seg_offsets;
   p.seg_counts = seg_counts;
@@ -531,7 +408,7 @@ inline Params make_params(const int* seg_offsets, const int* seg_counts, int nse
   p.K = K;
   p.N = N;
   p.w_rows_per_seg = swiglu ? 2 * N : N;
-  p.n_blocks = swiglu ? (N + wm / 2 - 1) / (wm / 2) : (N + wm - 1) / wm;
+  p.n_blocks = swiglu ? (N + WM / 2 - 1) / (WM / 2) : (N + WM - 1) / WM;
   p.out = static_cast<__nv_bfloat16*>(out);
   p.pre_out = swiglu ? static_cast<__nv_bfloat16*>(pre_out) : nullptr;
   return p;
@@ -541,12 +418,6 @@ inline Params make_params(const int* seg_offsets, const int* seg_counts, int nse
 inline bool enabled() {
   const char* v = getenv("MOK_GEMM_EXPERT");
   return !(v != nullptr && v[0] == '0');
-}
-
-// Consumer warpgroups of the staged launch: MOK_XGEMM_CW=2 or 3 (default 3; read per launch).
-inline int staged_consumers() {
-  const char* v = getenv("MOK_XGEMM_CW");
-  return (v != nullptr && v[0] == '2') ? 2 : 3;
 }
 
 }  // namespace xgemm

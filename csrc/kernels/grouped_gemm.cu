@@ -84,83 +84,62 @@ const char* launch(const CUtensorMap& tmA, const CUtensorMap& tmB, const gemm::P
 }
 
 // The expert-major routed GEMM (expert_gemm.cuh): persistent CTAs walk the tasks round-robin.
-// Two consumer warpgroups: warpgroup 2 produces. Three: thread 0 produces from inside the loop.
-template <bool kSwiGLU, int kCW>
-__global__ void __launch_bounds__(xgemm::Tile<kCW>::kThreads, 1)
+template <bool kSwiGLU>
+__global__ void __launch_bounds__(xgemm::kThreads, 1)
     expert_gemm_kernel(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
                        xgemm::Params p) {
-  using Ring = xgemm::Smem<kCW>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   __shared__ int chunk_prefix[xgemm::kMaxSeg + 1];  // static: addressed as shared (32-bit), no spill
-  __shared__ xgemm::FeedCursor cursor;
-  const Ring sm = xgemm::carve_smem<kCW>(smem_raw);
+  const xgemm::Smem sm = xgemm::carve_smem(smem_raw);
   if (threadIdx.x < 32) xgemm::build_chunk_prefix(p, chunk_prefix);
   if (threadIdx.x == 32) {
-    for (int s = 0; s < Ring::kStages; ++s) {
+    for (int s = 0; s < xgemm::kStages; ++s) {
       mbar_init(sm.full(s), 1);
-      mbar_init(sm.empty(s), 4 * kCW);  // each consumer warp arrives once per stage
+      mbar_init(sm.empty(s), gemm::kConsumerWarps);
     }
     mbar_fence_init();
   }
   __syncthreads();
   const int tasks = xgemm::num_tasks(p, chunk_prefix);
-  const xgemm::InlineFeed<kSwiGLU, Ring> feed{p, &tmW, &tmX, sm, chunk_prefix, tasks, &cursor};
-  if (kCW == 3 && threadIdx.x == 0) {
-    tma_prefetch_desc(&tmW);
-    tma_prefetch_desc(&tmX);
-  }
   const int wg = threadIdx.x / 128;
-  if (wg == kCW) {
+  if (wg == 0) {
     setmaxnreg_dec<56>();
-    if (threadIdx.x == 128 * kCW) {
+    if (threadIdx.x == 0) {
       tma_prefetch_desc(&tmW);
       tma_prefetch_desc(&tmX);
       uint32_t it = 0;
       for (int u = blockIdx.x; u < tasks; u += gridDim.x)
         xgemm::produce_task<kSwiGLU>(p, &tmW, &tmX, sm, xgemm::decode(p, chunk_prefix, u), it);
     }
-    return;
-  }
-  if constexpr (kCW == 2) setmaxnreg_inc<224>();
-  const int cw = wg;
-  float acc[128];
-  uint32_t it = 0;
-  for (int u = blockIdx.x, j = 0; u < tasks; u += gridDim.x, ++j) {
-    // decoded twice: keeping the task live through the main loop costs registers (spills)
-    const xgemm::Task t = xgemm::decode(p, chunk_prefix, u);
-    const bool active = xgemm::rows_active<kSwiGLU, Ring>(p, t, cw);
-    if constexpr (kCW == 3) {
-      feed.prepare(j);  // thread 0 alone reads the queue: no barrier
-      xgemm::mma_task_any(p, sm, cw, acc, it, t.n_tok, active, nullptr, feed);
-    } else {
-      xgemm::mma_task_any(p, sm, cw, acc, it, t.n_tok, active);
+  } else {
+    setmaxnreg_inc<224>();
+    const int cw = wg - 1;
+    float acc[128];
+    uint32_t it = 0;
+    for (int u = blockIdx.x; u < tasks; u += gridDim.x) {
+      // decoded twice: keeping the task live through the main loop costs registers (spills)
+      xgemm::mma_task_any(p, sm, cw, acc, it, xgemm::decode(p, chunk_prefix, u).n_tok);
+      xgemm::store_task<kSwiGLU>(p, sm, xgemm::decode(p, chunk_prefix, u), cw, acc);
     }
-    if (active) xgemm::store_task<kSwiGLU>(p, sm, xgemm::decode(p, chunk_prefix, u), cw, acc);
   }
 }
 
-template <int kCW>
 const char* launch_expert_gemm(bool swiglu, const void* A, int64_t a_rows, int K, const void* B, int nseg,
                                const int* seg_offsets, const int* seg_counts, void* out, void* pre_out, int N,
                                int num_ctas, cudaStream_t stream) {
-  using Tile = xgemm::Tile<kCW>;
+  if (nseg > xgemm::kMaxSeg) return "mok grouped_gemm: the expert-major GEMM takes at most 512 segments";
   CUtensorMap tmW, tmX;
   if (const char* m = make_tmap_bf16_2d(&tmX, A, a_rows, K, K, xgemm::kXBox)) return m;
   if (swiglu) {
-    if (const char* m = make_tmap_gate_up_pairs(&tmW, B, nseg, N, K, Tile::WM / 16)) return m;
-  } else if (const char* m = make_tmap_bf16_2d(&tmW, B, (uint64_t)nseg * N, K, K, Tile::WM)) {
+    if (const char* m = make_tmap_gate_up_pairs(&tmW, B, nseg, N, K)) return m;
+  } else if (const char* m = make_tmap_bf16_2d(&tmW, B, (uint64_t)nseg * N, K, K, xgemm::WM)) {
     return m;
   }
-  const xgemm::Params p =
-      xgemm::make_params(seg_offsets, seg_counts, nseg, static_cast<int>(a_rows), K, N, swiglu, out, pre_out, Tile::WM);
-  auto kernel = swiglu ? expert_gemm_kernel<true, kCW> : expert_gemm_kernel<false, kCW>;
-  static const bool smem_raised =
-      cudaFuncSetAttribute(expert_gemm_kernel<true, kCW>, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes) ==
-          cudaSuccess &&
-      cudaFuncSetAttribute(expert_gemm_kernel<false, kCW>, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes) ==
-          cudaSuccess;
-  if (!smem_raised) return "mok grouped_gemm: cannot raise the shared-memory limit of the expert-major GEMM";
-  cudaLaunchConfig_t cfg = launch_config(Tile::kThreads, Tile::kSmemBytes, stream, false, nullptr);
+  const xgemm::Params p = xgemm::make_params(seg_offsets, seg_counts, nseg, static_cast<int>(a_rows), K, N, swiglu, out, pre_out);
+  auto kernel = swiglu ? expert_gemm_kernel<true> : expert_gemm_kernel<false>;
+  cudaLaunchConfig_t cfg = launch_config(xgemm::kThreads, xgemm::kSmemBytes, stream, false, nullptr);
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, xgemm::kSmemBytes) != cudaSuccess)
+    return "mok grouped_gemm: cannot raise the shared-memory limit of the expert-major GEMM";
   // an upper bound of the task count (the real one is on the device)
   const int64_t max_tasks = ((int64_t)nseg + a_rows / xgemm::kMaxTok + 1) * p.n_blocks;
   const int ctas = num_ctas > 0 ? num_ctas : num_sms();
@@ -180,14 +159,9 @@ const char* launch_grouped_gemm(bool swiglu, const void* A, int64_t a_rows, int 
   if (!aligned16(out) || (pre_out != nullptr && !aligned16(pre_out)))
     return "mok grouped_gemm: out and pre_out must start at a 16-byte aligned address (16-byte stores)";
   // routed experts (real-row counts known): expert-major tiles, unless MOK_GEMM_EXPERT=0
-  if (seg_offsets != nullptr && seg_counts != nullptr && xgemm::enabled()) {
-    if (nseg > xgemm::kMaxSeg) return "mok grouped_gemm: the expert-major GEMM takes at most 512 segments";
-    return xgemm::staged_consumers() == 3
-               ? launch_expert_gemm<3>(swiglu, A, a_rows, K, B, nseg, seg_offsets, seg_counts, out, pre_out, N,
-                                       num_ctas, stream)
-               : launch_expert_gemm<2>(swiglu, A, a_rows, K, B, nseg, seg_offsets, seg_counts, out, pre_out, N,
-                                       num_ctas, stream);
-  }
+  if (seg_offsets != nullptr && seg_counts != nullptr && xgemm::enabled())
+    return launch_expert_gemm(swiglu, A, a_rows, K, B, nseg, seg_offsets, seg_counts, out, pre_out, N, num_ctas,
+                              stream);
   CUtensorMap tmA, tmB;
   if (const char* m = make_tmap_bf16_2d(&tmA, A, a_rows, K, K, gemm::BM)) return m;
   if (const char* m = make_tmap_bf16_2d(&tmB, B, (uint64_t)nseg * b_rows_per_seg, K, K, gemm::BN / 2)) return m;

@@ -183,9 +183,8 @@ __device__ __forceinline__ bool routed_task(const Params& p, const int* prefix, 
   return true;
 }
 
-// The megakernel's ring as expert_gemm.cuh sees it (the same stage layout as grouped_gemm.cuh's:
-// 128 weight rows = 16 KB in a(s), up to 256 token rows = 32 KB in b(s)).
-struct ExpertRing : xgemm::Tile<2> {
+// The megakernel's ring as expert_gemm.cuh sees it (the same stage layout as grouped_gemm.cuh's).
+struct ExpertRing {
   const gemm::Smem& sm;
   __nv_bfloat16* staging_base;
   __device__ __forceinline__ uint8_t* w(int s) const { return sm.a(s); }
@@ -196,7 +195,6 @@ struct ExpertRing : xgemm::Tile<2> {
     return staging_base + cw * (64 * xgemm::kStageStride);
   }
 };
-static_assert(ExpertRing::kStages == kStages && ExpertRing::kWBytes == gemm::kABytes, "one ring layout");
 
 // Spin until *ctr >= target (acquire), then order the async proxy (TMA) behind it.
 __device__ __forceinline__ void wait_counter(const int* ctr, int target, const Watchdog& w) {
@@ -478,24 +476,22 @@ __device__ void consumer(const Params& p, const gemm::Smem& sm, const ExpertRing
         xgemm::skip_task<true, kPaired>(xg, ring, it, &w);
         continue;
       }
-      const bool active = tk.kind == kRoutedUp ? xgemm::rows_active<true, ExpertRing>(xg, xt, cw)
-                                               : xgemm::rows_active<false, ExpertRing>(xg, xt, cw);
-      xgemm::mma_task_any<true, kPaired>(xg, ring, cw, acc, it, xt.n_tok, active, &w);
+      xgemm::mma_task_any<true, kPaired>(xg, ring, cw, acc, it, xt.n_tok, &w);
       // decoded again: keeping the task live through the main loop costs registers
       routed_task<kPaired>(p, prefix, tk, rank, &xt, &chunk);
       if (tk.kind == kRoutedUp) {
-        if (active) xgemm::store_task<true>(xg, ring, xt, cw, acc);
+        xgemm::store_task<true>(xg, ring, xt, cw, acc);
         // The down tasks of this chunk read these rows through TMA in other CTAs.
         fence_proxy_async_global();
         __threadfence();
         warpgroup_bar_sync(bar);
         if (leader) red_release_gpu_add(up_done_ctr(p, chunk), 1);
       } else {
-        if (active) xgemm::store_task<false>(xg, ring, xt, cw, acc);
+        xgemm::store_task<false>(xg, ring, xt, cw, acc);
         __threadfence_block();    // the pushers (other warps of this CTA) read these rows of y
         warpgroup_bar_sync(bar);  // the warpgroup's columns of y are written
-        if (leader && active && xt.n_real > 0)
-          push_enqueue(q, make_int4(xt.row0, xt.n_real, xt.block * ExpertRing::WM + cw * 64, 0), w);
+        if (leader && xt.n_real > 0)
+          push_enqueue(q, make_int4(xt.row0, xt.n_real, xt.block * xgemm::WM + cw * 64, 0), w);
       }
     }
     if (rec != nullptr) rec[kEndNs] = static_cast<long long>(globaltimer_ns());
@@ -522,7 +518,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* push_bars = mb.full + kMailbox;  // full [kPushSlots], empty [kPushSlots]
   const PushQueue q{reinterpret_cast<volatile int4*>(push_bars + 2 * kPushSlots), push_bars, push_bars + kPushSlots,
                     const_cast<int*>(s_misc + 3)};
-  const ExpertRing ring{{}, sm, reinterpret_cast<__nv_bfloat16*>(const_cast<int4*>(q.req + kPushSlots))};
+  const ExpertRing ring{sm, reinterpret_cast<__nv_bfloat16*>(const_cast<int4*>(q.req + kPushSlots))};
   if (threadIdx.x >= 32 && threadIdx.x < 64) xgemm::build_chunk_prefix(p.xg[0], chunk_prefix);
   const int rank = kPaired ? static_cast<int>(cluster_ctarank()) : 0;
   if (threadIdx.x == 0) {
@@ -652,12 +648,12 @@ const char* launch_megakernel(const MegaArgs& a, cudaStream_t stream) {
   }
   // routed kinds (expert-major): a = the weights (wgmma's A, M side), b = the token rows (N side)
   if (a.nle > xgemm::kMaxSeg) return "mok megakernel: at most 512 local experts";
-  if (const char* m = make_tmap_gate_up_pairs(&tm.a[kRoutedUp], a.fc1, a.nle, I, H, ExpertRing::WM / 16)) return m;
+  if (const char* m = make_tmap_gate_up_pairs(&tm.a[kRoutedUp], a.fc1, a.nle, I, H)) return m;
   if (const char* m = make_tmap_bf16_2d(&tm.b[kRoutedUp], a.x_routed, cap, H, H, xgemm::kXBox)) return m;
-  if (const char* m = make_tmap_bf16_2d(&tm.a[kRoutedDown], a.fc2, (uint64_t)a.nle * H, I, I, ExpertRing::WM)) return m;
+  if (const char* m = make_tmap_bf16_2d(&tm.a[kRoutedDown], a.fc2, (uint64_t)a.nle * H, I, I, xgemm::WM)) return m;
   if (const char* m = make_tmap_bf16_2d(&tm.b[kRoutedDown], a.act, cap, I, I, xgemm::kXBox)) return m;
-  p.xg[0] = xgemm::make_params(a.expert_offsets, a.expert_counts, a.nle, cap, H, I, true, a.act, a.h, ExpertRing::WM);
-  p.xg[1] = xgemm::make_params(a.expert_offsets, a.expert_counts, a.nle, cap, I, H, false, a.y_routed, nullptr, ExpertRing::WM);
+  p.xg[0] = xgemm::make_params(a.expert_offsets, a.expert_counts, a.nle, cap, H, I, true, a.act, a.h);
+  p.xg[1] = xgemm::make_params(a.expert_offsets, a.expert_counts, a.nle, cap, I, H, false, a.y_routed, nullptr);
   p.mb_chunks = std::max(1, a.minibatch_rows / xgemm::kMaxTok);
   p.num_comm = a.num_comm;
   p.max_mtiles = cap / BM;

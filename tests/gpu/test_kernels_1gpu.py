@@ -86,20 +86,15 @@ def _expert_case(K, N, swiglu, counts, seed):
     return a, b, seg, cnt, offs
 
 
-@pytest.mark.parametrize("cw", ["2", "3"])
 @pytest.mark.parametrize("swiglu", [False, True])
 @pytest.mark.parametrize("K,N", [(256, 256), (384, 192), (136, 40), (1024, 520)])
-def test_expert_gemm_matches_matmul(swiglu, K, N, cw, monkeypatch):
-    """The expert-major GEMM (the default with seg_counts), with two (128-row) and three (192-row,
-    producer inside the loop) consumer warpgroups: token chunks of 1..256 rows in every 16-row size
-    class, experts with 0, 1, 256, 257 and 700 rows; N that leaves whole warpgroups out of the last
-    block (40, 520); real rows against fp32 matmul, padding rows +0, rows past the last segment
-    untouched, bits independent of the CTA count. K = 136: three K-blocks, as many as the ring has
-    stages, so the loads run a whole task ahead."""
+def test_expert_gemm_matches_matmul(swiglu, K, N, monkeypatch):
+    """The expert-major GEMM (the default with seg_counts): token chunks of 1..256 rows in every
+    16-row size class, experts with 0, 1, 256, 257 and 700 rows; real rows against fp32 matmul,
+    padding rows +0, rows past the last segment untouched, bits independent of the CTA count."""
     from megatron_mok import ops
 
     monkeypatch.setenv("MOK_GEMM_EXPERT", "1")
-    monkeypatch.setenv("MOK_XGEMM_CW", cw)
     counts = [130, 0, 1, 255, 256, 257, 700, 17, 48, 200, 15]
     a, b, seg, cnt, offs = _expert_case(K, N, swiglu, counts, K * 5 + N)
     cap = a.shape[0]
@@ -130,15 +125,12 @@ def test_expert_gemm_matches_matmul(swiglu, K, N, cw, monkeypatch):
     assert torch.isnan(out[offs[-1]:].float()).all(), "rows past the last segment were written"
 
 
-@pytest.mark.parametrize("cw", ["2", "3"])
 @pytest.mark.parametrize("swiglu", [False, True])
-def test_expert_gemm_bits_equal_token_major(swiglu, cw, monkeypatch):
-    """Swapping the MMA's operands (weights as M, tokens as N) keeps every output bit, and so does the
-    task height (two or three consumer warpgroups): token-major tiles, the megakernel's expert tasks
-    and the staged path's give the same bits."""
+def test_expert_gemm_bits_equal_token_major(swiglu, monkeypatch):
+    """Swapping the MMA's operands (weights as M, tokens as N) keeps every output bit: the megakernel
+    (token-major tiles) and the staged path (expert-major) give the same bits."""
     from megatron_mok import ops
 
-    monkeypatch.setenv("MOK_XGEMM_CW", cw)
     K, N = 512, 264
     counts = [300, 5, 128, 0, 64, 1000]
     a, b, seg, cnt, offs = _expert_case(K, N, swiglu, counts, 91)
