@@ -64,7 +64,6 @@ struct Params {
   int n_blocks;            // weight tiles per expert: ceil(N / 64) (SwiGLU) or ceil(N / 128)
   __nv_bfloat16* out;      // [rows, N]
   __nv_bfloat16* pre_out;  // SwiGLU only, optional: [rows, 2 N] = [gate | up] (bf16-rounded)
-  int l2_hints;            // bit 0: weight loads evict_first; bit 1: token-row loads evict_last
 };
 
 // Shared memory: the ring, the epilogue's staging tiles, the ring barriers. Only the 1024-aligned
@@ -188,30 +187,17 @@ __device__ __forceinline__ void produce_task(const Params& p, const CUtensorMap*
   const int nbox = (t.n_tok + kXBox - 1) / kXBox;
   // SwiGLU: the 4D map's outer coordinate counts 8-row blocks of the gate half
   const int wcoord = kSwiGLU ? (t.seg * p.w_rows_per_seg + t.block * (WM / 2)) / 8 : t.seg * p.w_rows_per_seg + t.block * WM;
-  // L2: a weight block is read by the 1-2 chunks of its expert, back to back; a token chunk by all
-  // 32-56 weight blocks of its expert, spread over a wave (MOK_XGEMM_L2)
-  const uint64_t w_policy = l2_policy_evict_first(), x_policy = l2_policy_evict_last();
   for (int kb = 0; kb < nk; ++kb, ++it) {
     const int s = it % kStages;
     gemm::ring_wait<kWatch>(sm.empty(s), ((it / kStages) & 1) ^ 1, w);
     if (stage_tag != nullptr && kb == 0) stage_tag[s] = tag;
     mbar_arrive_expect_tx(sm.full(s), kWBytes + nbox * kXBox * BK * 2);
-    if (p.l2_hints & 1) {
-      if constexpr (kSwiGLU)
-        tma_load_4d_hint(sm.w(s), tmW, sm.full(s), kb * BK, 0, 0, wcoord, w_policy);
-      else
-        tma_load_2d_hint(sm.w(s), tmW, sm.full(s), kb * BK, wcoord, w_policy);
-    } else if constexpr (kSwiGLU) {
+    if constexpr (kSwiGLU)
       tma_load_4d(sm.w(s), tmW, sm.full(s), kb * BK, 0, 0, wcoord);
-    } else {
+    else
       tma_load_2d(sm.w(s), tmW, sm.full(s), kb * BK, wcoord);
-    }
-    for (int i = 0; i < nbox; ++i) {
-      if (p.l2_hints & 2)
-        tma_load_2d_hint(sm.x(s) + i * kXBox * 128, tmX, sm.full(s), kb * BK, t.row0 + i * kXBox, x_policy);
-      else
-        tma_load_2d(sm.x(s) + i * kXBox * 128, tmX, sm.full(s), kb * BK, t.row0 + i * kXBox);
-    }
+    for (int i = 0; i < nbox; ++i)
+      tma_load_2d(sm.x(s) + i * kXBox * 128, tmX, sm.full(s), kb * BK, t.row0 + i * kXBox);
   }
 }
 
@@ -412,12 +398,6 @@ __device__ __forceinline__ void store_task(const Params& p, const Ring& sm, cons
 
 // ---- host side -----------------------------------------------------------------------------------
 
-// MOK_XGEMM_L2 = bits of Params::l2_hints (default 3: both hints; 0: plain loads; read per launch).
-inline int l2_hints() {
-  const char* v = getenv("MOK_XGEMM_L2");
-  return (v != nullptr && v[0] >= '0' && v[0] <= '3') ? v[0] - '0' : 3;
-}
-
 inline Params make_params(const int* seg_offsets, const int* seg_counts, int nseg, int a_rows, int K, int N,
                           bool swiglu, void* out, void* pre_out) {
   Params p{};
@@ -431,7 +411,6 @@ inline Params make_params(const int* seg_offsets, const int* seg_counts, int nse
   p.n_blocks = swiglu ? (N + WM / 2 - 1) / (WM / 2) : (N + WM - 1) / WM;
   p.out = static_cast<__nv_bfloat16*>(out);
   p.pre_out = swiglu ? static_cast<__nv_bfloat16*>(pre_out) : nullptr;
-  p.l2_hints = l2_hints();
   return p;
 }
 
