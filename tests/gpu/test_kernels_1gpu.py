@@ -135,10 +135,10 @@ def test_expert_gemm_bits_equal_token_major(swiglu, monkeypatch):
     counts = [300, 5, 128, 0, 64, 1000]
     a, b, seg, cnt, offs = _expert_case(K, N, swiglu, counts, 91)
     res = {}
-    # MOK_XGEMM_TAIL_BOXES=0: whole 64-row boxes of token rows instead of 16-row tail boxes
+    # MOK_XGEMM_BIG_BOXES=0: 64-row boxes of token rows only
     for mode, tail in (("0", "1"), ("1", "1"), ("1", "0")):
         monkeypatch.setenv("MOK_GEMM_EXPERT", mode)
-        monkeypatch.setenv("MOK_XGEMM_TAIL_BOXES", tail)
+        monkeypatch.setenv("MOK_XGEMM_BIG_BOXES", tail)
         out = torch.full((a.shape[0], N), float("nan"), dtype=torch.bfloat16, device=DEV)
         ops.grouped_gemm(a, b, seg, out, swiglu, 0, cnt)
         res[mode + tail] = out
