@@ -45,7 +45,6 @@ constexpr int BK = 64;            // K per stage (one 128-byte swizzle atom of b
 constexpr int kStages = 4;
 constexpr int kThreads = 384;     // warpgroup 0: producer; 1, 2: consumers
 constexpr int kXBox = 64;         // token rows per TMA box
-constexpr int kXBigBox = 128;     // token rows per TMA box of a task's whole 128-row parts
 constexpr int kWBytes = WM * BK * 2;        // 16 KB
 constexpr int kXBytes = kMaxTok * BK * 2;   // 32 KB
 constexpr int kStageStride = 72;            // epilogue staging row: 64 columns + 8 (bank spread)
@@ -65,7 +64,6 @@ struct Params {
   int n_blocks;            // weight tiles per expert: ceil(N / 64) (SwiGLU) or ceil(N / 128)
   __nv_bfloat16* out;      // [rows, N]
   __nv_bfloat16* pre_out;  // SwiGLU only, optional: [rows, 2 N] = [gate | up] (bf16-rounded)
-  int big_boxes;           // 1: token rows load as 128-row boxes, the rest as 64-row ones; 0: all 64
 };
 
 // Shared memory: the ring, the epilogue's staging tiles, the ring barriers. Only the 1024-aligned
@@ -179,37 +177,27 @@ __device__ __forceinline__ Task decode_window(const Params& p, const int* prefix
 
 // Producer thread: the weight tile and the task's token rows, K block by K block. `Ring` gives the
 // stages (w(s), x(s): the token-major ring's a(s), b(s) layout) and their barriers (full(s),
-// empty(s)). The token rows load as 128-row boxes through tmXBig and the rest (< 128 rows) as
-// 64-row boxes through tmX, i.e. up to 63 rows the task does not use: fewer, larger TMA requests
-// run faster than exact ones (docs/KERNELS.md, fourth session of 2026-11-30). Megakernel (kWatch):
-// waits under the watchdog, and `tag` goes to stage_tag[s] of the task's first stage before it is
-// armed.
+// empty(s)). Megakernel (kWatch): waits under the watchdog, and `tag` goes to stage_tag[s] of the
+// task's first stage before it is armed.
 template <bool kSwiGLU, bool kWatch = false, class Ring>
 __device__ __forceinline__ void produce_task(const Params& p, const CUtensorMap* tmW, const CUtensorMap* tmX,
-                                             const CUtensorMap* tmXBig, const Ring& sm, const Task& t, uint32_t& it,
-                                             const Watchdog* w = nullptr, volatile int* stage_tag = nullptr,
-                                             int tag = 0) {
+                                             const Ring& sm, const Task& t, uint32_t& it, const Watchdog* w = nullptr,
+                                             volatile int* stage_tag = nullptr, int tag = 0) {
   const int nk = (p.K + BK - 1) / BK;
-  const int nbig = p.big_boxes ? t.n_tok / kXBigBox : 0;
-  const int nbox = (t.n_tok - nbig * kXBigBox + kXBox - 1) / kXBox;
-  const int x_bytes = (nbig * kXBigBox + nbox * kXBox) * BK * 2;
+  const int nbox = (t.n_tok + kXBox - 1) / kXBox;
   // SwiGLU: the 4D map's outer coordinate counts 8-row blocks of the gate half
   const int wcoord = kSwiGLU ? (t.seg * p.w_rows_per_seg + t.block * (WM / 2)) / 8 : t.seg * p.w_rows_per_seg + t.block * WM;
   for (int kb = 0; kb < nk; ++kb, ++it) {
     const int s = it % kStages;
     gemm::ring_wait<kWatch>(sm.empty(s), ((it / kStages) & 1) ^ 1, w);
     if (stage_tag != nullptr && kb == 0) stage_tag[s] = tag;
-    mbar_arrive_expect_tx(sm.full(s), kWBytes + x_bytes);
+    mbar_arrive_expect_tx(sm.full(s), kWBytes + nbox * kXBox * BK * 2);
     if constexpr (kSwiGLU)
       tma_load_4d(sm.w(s), tmW, sm.full(s), kb * BK, 0, 0, wcoord);
     else
       tma_load_2d(sm.w(s), tmW, sm.full(s), kb * BK, wcoord);
-    for (int i = 0; i < nbig; ++i)
-      tma_load_2d(sm.x(s) + i * kXBigBox * 128, tmXBig, sm.full(s), kb * BK, t.row0 + i * kXBigBox);
-    for (int i = 0; i < nbox; ++i) {
-      const int r = nbig * kXBigBox + i * kXBox;
-      tma_load_2d(sm.x(s) + r * 128, tmX, sm.full(s), kb * BK, t.row0 + r);
-    }
+    for (int i = 0; i < nbox; ++i)
+      tma_load_2d(sm.x(s) + i * kXBox * 128, tmX, sm.full(s), kb * BK, t.row0 + i * kXBox);
   }
 }
 
@@ -410,12 +398,6 @@ __device__ __forceinline__ void store_task(const Params& p, const Ring& sm, cons
 
 // ---- host side -----------------------------------------------------------------------------------
 
-// MOK_XGEMM_BIG_BOXES=0: a task's token rows load as 64-row boxes only (the old loads; same bits).
-inline int big_boxes() {
-  const char* v = getenv("MOK_XGEMM_BIG_BOXES");
-  return (v != nullptr && v[0] == '0') ? 0 : 1;
-}
-
 inline Params make_params(const int* seg_offsets, const int* seg_counts, int nseg, int a_rows, int K, int N,
                           bool swiglu, void* out, void* pre_out) {
   Params p{};
@@ -429,7 +411,6 @@ inline Params make_params(const int* seg_offsets, const int* seg_counts, int nse
   p.n_blocks = swiglu ? (N + WM / 2 - 1) / (WM / 2) : (N + WM - 1) / WM;
   p.out = static_cast<__nv_bfloat16*>(out);
   p.pre_out = swiglu ? static_cast<__nv_bfloat16*>(pre_out) : nullptr;
-  p.big_boxes = big_boxes();
   return p;
 }
 

@@ -87,7 +87,7 @@ const char* launch(const CUtensorMap& tmA, const CUtensorMap& tmB, const gemm::P
 template <bool kSwiGLU>
 __global__ void __launch_bounds__(xgemm::kThreads, 1)
     expert_gemm_kernel(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
-                       const __grid_constant__ CUtensorMap tmXBig, xgemm::Params p) {
+                       xgemm::Params p) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   __shared__ int chunk_prefix[xgemm::kMaxSeg + 1];  // static: addressed as shared (32-bit), no spill
   const xgemm::Smem sm = xgemm::carve_smem(smem_raw);
@@ -107,10 +107,9 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
     if (threadIdx.x == 0) {
       tma_prefetch_desc(&tmW);
       tma_prefetch_desc(&tmX);
-      tma_prefetch_desc(&tmXBig);
       uint32_t it = 0;
       for (int u = blockIdx.x; u < tasks; u += gridDim.x)
-        xgemm::produce_task<kSwiGLU>(p, &tmW, &tmX, &tmXBig, sm, xgemm::decode(p, chunk_prefix, u), it);
+        xgemm::produce_task<kSwiGLU>(p, &tmW, &tmX, sm, xgemm::decode(p, chunk_prefix, u), it);
     }
   } else {
     setmaxnreg_inc<224>();
@@ -129,9 +128,8 @@ const char* launch_expert_gemm(bool swiglu, const void* A, int64_t a_rows, int K
                                const int* seg_offsets, const int* seg_counts, void* out, void* pre_out, int N,
                                int num_ctas, cudaStream_t stream) {
   if (nseg > xgemm::kMaxSeg) return "mok grouped_gemm: the expert-major GEMM takes at most 512 segments";
-  CUtensorMap tmW, tmX, tmXBig;
+  CUtensorMap tmW, tmX;
   if (const char* m = make_tmap_bf16_2d(&tmX, A, a_rows, K, K, xgemm::kXBox)) return m;
-  if (const char* m = make_tmap_bf16_2d(&tmXBig, A, a_rows, K, K, xgemm::kXBigBox)) return m;
   if (swiglu) {
     if (const char* m = make_tmap_gate_up_pairs(&tmW, B, nseg, N, K)) return m;
   } else if (const char* m = make_tmap_bf16_2d(&tmW, B, (uint64_t)nseg * N, K, K, xgemm::WM)) {
@@ -146,7 +144,7 @@ const char* launch_expert_gemm(bool swiglu, const void* A, int64_t a_rows, int K
   const int64_t max_tasks = ((int64_t)nseg + a_rows / xgemm::kMaxTok + 1) * p.n_blocks;
   const int ctas = num_ctas > 0 ? num_ctas : num_sms();
   cfg.gridDim = dim3(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ctas, max_tasks))));
-  return launch_ex(cfg, kernel, tmW, tmX, tmXBig, p);
+  return launch_ex(cfg, kernel, tmW, tmX, p);
 }
 
 }  // namespace

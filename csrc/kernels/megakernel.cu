@@ -69,7 +69,6 @@ enum Kind : int { kSharedUp = 0, kSharedDown = 1, kRoutedUp = 2, kRoutedDown = 3
 struct TMaps {
   CUtensorMap a[4];  // by Kind
   CUtensorMap b[4];
-  CUtensorMap b_big[2];  // routed kinds: the token rows as 128-row boxes
 };
 
 struct Params {
@@ -332,11 +331,9 @@ __device__ void producer(const Params& p, const TMaps& tm, const gemm::Smem& sm,
       rec[kNTile] = xt.block;
     }
     if (tk.kind == kRoutedUp)
-      xgemm::produce_task<true, true>(xg, &tm.a[tk.kind], &tm.b[tk.kind], &tm.b_big[0], ring, xt, it, &w,
-                                      stage_task, t);
+      xgemm::produce_task<true, true>(xg, &tm.a[tk.kind], &tm.b[tk.kind], ring, xt, it, &w, stage_task, t);
     else
-      xgemm::produce_task<false, true>(xg, &tm.a[tk.kind], &tm.b[tk.kind], &tm.b_big[1], ring, xt, it, &w,
-                                       stage_task, t);
+      xgemm::produce_task<false, true>(xg, &tm.a[tk.kind], &tm.b[tk.kind], ring, xt, it, &w, stage_task, t);
   }
   // Sentinel: the consumers stop at a stage tagged -1 (armed without bytes).
   const int s = it % kStages;
@@ -567,8 +564,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         tma_prefetch_desc(&tm.a[i]);
         tma_prefetch_desc(&tm.b[i]);
       }
-      tma_prefetch_desc(&tm.b_big[0]);
-      tma_prefetch_desc(&tm.b_big[1]);
       producer<kPaired>(p, tm, sm, ring, chunk_prefix, stage_task, mb);
       s_misc[1] = 1;
     } else if (threadIdx.x >= 32) {
@@ -655,10 +650,8 @@ const char* launch_megakernel(const MegaArgs& a, cudaStream_t stream) {
   if (a.nle > xgemm::kMaxSeg) return "mok megakernel: at most 512 local experts";
   if (const char* m = make_tmap_gate_up_pairs(&tm.a[kRoutedUp], a.fc1, a.nle, I, H)) return m;
   if (const char* m = make_tmap_bf16_2d(&tm.b[kRoutedUp], a.x_routed, cap, H, H, xgemm::kXBox)) return m;
-  if (const char* m = make_tmap_bf16_2d(&tm.b_big[0], a.x_routed, cap, H, H, xgemm::kXBigBox)) return m;
   if (const char* m = make_tmap_bf16_2d(&tm.a[kRoutedDown], a.fc2, (uint64_t)a.nle * H, I, I, xgemm::WM)) return m;
   if (const char* m = make_tmap_bf16_2d(&tm.b[kRoutedDown], a.act, cap, I, I, xgemm::kXBox)) return m;
-  if (const char* m = make_tmap_bf16_2d(&tm.b_big[1], a.act, cap, I, I, xgemm::kXBigBox)) return m;
   p.xg[0] = xgemm::make_params(a.expert_offsets, a.expert_counts, a.nle, cap, H, I, true, a.act, a.h);
   p.xg[1] = xgemm::make_params(a.expert_offsets, a.expert_counts, a.nle, cap, I, H, false, a.y_routed, nullptr);
   p.mb_chunks = std::max(1, a.minibatch_rows / xgemm::kMaxTok);
