@@ -64,6 +64,7 @@ struct Params {
   int n_blocks;            // weight tiles per expert: ceil(N / 64) (SwiGLU) or ceil(N / 128)
   __nv_bfloat16* out;      // [rows, N]
   __nv_bfloat16* pre_out;  // SwiGLU only, optional: [rows, 2 N] = [gate | up] (bf16-rounded)
+  int stmatrix;            // 1: the epilogue stages through stmatrix; 0: two-byte stores (A/B)
 };
 
 // Shared memory: the ring, the epilogue's staging tiles, the ring barriers. Only the 1024-aligned
@@ -299,14 +300,22 @@ __device__ __forceinline__ void mma_task_any(const Params& p, const Ring& sm, in
 // Accumulator layout of a consumer warpgroup (thread t, warp w = t / 32, lane l, q = l % 4):
 // acc[4 g + 2 s + h] holds weight row 16 w + l / 4 + 8 s and token 8 g + 2 q + h.
 
-// Rows of the staging tile [64 tokens][kStageStride] written by the warpgroup, then copied out as
-// 16-byte row pieces: `cols` staged columns per token (32 SwiGLU, 64 down) to dst columns
-// col0 .. col0 + cols (those < n_cols), tokens < n_real of this 64-token slice.
 // (Shared-memory addresses are 32-bit here: generic 64-bit pointers cost the registers that the
 // megakernel's consumers do not have next to 128 accumulators.)
+
 __device__ __forceinline__ void st_shared_bf16(uint32_t addr, float v) {
   const __nv_bfloat16 b = __float2bfloat16_rn(v);
   asm volatile("st.shared.b16 [%0], %1;" ::"r"(addr), "h"(*reinterpret_cast<const uint16_t*>(&b)) : "memory");
+}
+
+// Four 8x8 bf16 tiles of the warp's accumulator fragments (r0..r3: this thread's pair of adjacent
+// tokens of one weight row in each) stored transposed: lane 8 m + i gives the address of token row
+// i of tile m, which receives the tile's 8 weight rows as 16 contiguous bytes. One instruction
+// replaces 16 two-byte stores per thread.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
 }
 
 __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
@@ -316,6 +325,9 @@ __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
   return v;
 }
 
+// Rows of the staging tile [64 tokens][kStageStride] written by the warpgroup, then copied out as
+// 16-byte row pieces: `cols` staged columns per token (32 SwiGLU, 64 down) to dst columns
+// col0 .. col0 + cols (those < n_cols), tokens < n_real of this 64-token slice.
 __device__ __forceinline__ void flush_staging(uint32_t stg, int cols, __nv_bfloat16* dst, int64_t ld, int row0,
                                               int col0, int n_cols, int n_real, int bar) {
   warpgroup_bar_sync(bar);
@@ -345,7 +357,7 @@ template <bool kSwiGLU, class Ring>
 __device__ __forceinline__ void store_task(const Params& p, const Ring& sm, const Task& tk, int cw,
                                            const float (&acc)[128]) {
   const int t = threadIdx.x % 128;
-  const int w = t / 32, lane = t % 32, q = lane % 4, r = lane / 4;
+  const int w = t / 32, lane = t % 32;
   const int bar = 2 + cw;
   const uint32_t stg = smem_u32(sm.staging(cw));
   const int rounds = (kSwiGLU && p.pre_out != nullptr) ? 3 : 1;
@@ -355,21 +367,52 @@ __device__ __forceinline__ void store_task(const Params& p, const Ring& sm, cons
     const int row0 = tk.row0 + 64 * sl;
     const int n_real = tk.n_real - 64 * sl;
     for (int round = 0; round < rounds; ++round) {
+      if (!p.stmatrix) {  // A/B: the two-byte stores
+        const int q = lane % 4, r = lane / 4;
 #pragma unroll
-      for (int g8 = 0; g8 < 8; ++g8) {
-        const int g = 8 * sl + g8;
+        for (int g8 = 0; g8 < 8; ++g8) {
+          const int g = 8 * sl + g8;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int c = 8 * g8 + 2 * q + h;
-          const float lo = acc[4 * g + h], hi = acc[4 * g + 2 + h];
-          if constexpr (kSwiGLU) {
-            // lo: gate j, hi: up j, j = 8 w + r of this warpgroup's 32 columns
-            const float v = round == 0 ? swiglu(lo, hi) : (round == 1 ? lo : hi);
-            st_shared_bf16(stg + 2 * (c * kStageStride + 8 * w + r), v);
-          } else {
-            st_shared_bf16(stg + 2 * (c * kStageStride + 16 * w + r), lo);
-            st_shared_bf16(stg + 2 * (c * kStageStride + 16 * w + 8 + r), hi);
+          for (int h = 0; h < 2; ++h) {
+            const int c = 8 * g8 + 2 * q + h;
+            const float lo = acc[4 * g + h], hi = acc[4 * g + 2 + h];
+            if constexpr (kSwiGLU) {
+              const float v = round == 0 ? swiglu(lo, hi) : (round == 1 ? lo : hi);
+              st_shared_bf16(stg + 2 * (c * kStageStride + 8 * w + r), v);
+            } else {
+              st_shared_bf16(stg + 2 * (c * kStageStride + 16 * w + r), lo);
+              st_shared_bf16(stg + 2 * (c * kStageStride + 16 * w + 8 + r), hi);
+            }
           }
+        }
+      } else if constexpr (kSwiGLU) {
+        // Tile g: output columns 8 w .. 8 w + 7 (gate/up pair j = 8 w + r) x tokens 8 g .. 8 g + 7;
+        // lane 8 m + i addresses token 8 (g8 + m) + i of the slice.
+#pragma unroll
+        for (int g8 = 0; g8 < 8; g8 += 4) {
+          uint32_t v[4];
+#pragma unroll
+          for (int m = 0; m < 4; ++m) {
+            const int g = 8 * sl + g8 + m;
+            const float g0 = acc[4 * g], g1 = acc[4 * g + 1], u0 = acc[4 * g + 2], u1 = acc[4 * g + 3];
+            v[m] = round == 0 ? gemm::bf16x2_bits(swiglu(g0, u0), swiglu(g1, u1))
+                              : (round == 1 ? gemm::bf16x2_bits(g0, g1) : gemm::bf16x2_bits(u0, u1));
+          }
+          stmatrix_x4_trans(stg + 2 * ((8 * (g8 + lane / 8) + lane % 8) * kStageStride + 8 * w), v[0], v[1], v[2], v[3]);
+        }
+      } else {
+        // Tiles (g, s): output columns 16 w + 8 s .. + 7 x tokens 8 g .. 8 g + 7, four per
+        // instruction as (g, 0), (g, 1), (g + 1, 0), (g + 1, 1); lane 8 m + i addresses token
+        // 8 (g8 + m / 2) + i, column 16 w + 8 (m % 2).
+#pragma unroll
+        for (int g8 = 0; g8 < 8; g8 += 2) {
+          const int g = 8 * sl + g8;
+          const int m = lane / 8;
+          stmatrix_x4_trans(stg + 2 * ((8 * (g8 + m / 2) + lane % 8) * kStageStride + 16 * w + 8 * (m % 2)),
+                            gemm::bf16x2_bits(acc[4 * g], acc[4 * g + 1]),
+                            gemm::bf16x2_bits(acc[4 * g + 2], acc[4 * g + 3]),
+                            gemm::bf16x2_bits(acc[4 * g + 4], acc[4 * g + 5]),
+                            gemm::bf16x2_bits(acc[4 * g + 6], acc[4 * g + 7]));
         }
       }
       if constexpr (kSwiGLU) {
@@ -411,6 +454,8 @@ inline Params make_params(const int* seg_offsets, const int* seg_counts, int nse
   p.n_blocks = swiglu ? (N + WM / 2 - 1) / (WM / 2) : (N + WM - 1) / WM;
   p.out = static_cast<__nv_bfloat16*>(out);
   p.pre_out = swiglu ? static_cast<__nv_bfloat16*>(pre_out) : nullptr;
+  const char* v = getenv("MOK_XGEMM_STMATRIX");  // =0: two-byte staging stores (A/B; same bits)
+  p.stmatrix = (v != nullptr && v[0] == '0') ? 0 : 1;
   return p;
 }
 
