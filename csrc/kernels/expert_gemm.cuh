@@ -16,8 +16,8 @@
 // Gate/up (kSwiGLU): a 4D tensor map loads the weight tile as eight [8 gate rows; 8 up rows] pairs,
 // so in the wgmma accumulator layout each thread holds gate column j (row 16w + l/4) and up column
 // j (row 16w + 8 + l/4) of the same tokens, and silu(gate) * up is computed in registers.
-// The accumulators are [weight row, token]; the epilogue transposes them through shared memory
-// (64 tokens at a time, padded rows: no bank conflicts) into 16-byte row-major stores.
+// The accumulators are [weight row, token]; the epilogue transposes them into shared memory with
+// stmatrix.trans (64 tokens at a time, padded rows: no bank conflicts), then 16-byte row-major stores.
 //
 // Real rows get the products; padding rows of a segment get +0, as from the token-major GEMM.
 //
@@ -64,7 +64,6 @@ struct Params {
   int n_blocks;            // weight tiles per expert: ceil(N / 64) (SwiGLU) or ceil(N / 128)
   __nv_bfloat16* out;      // [rows, N]
   __nv_bfloat16* pre_out;  // SwiGLU only, optional: [rows, 2 N] = [gate | up] (bf16-rounded)
-  int stmatrix;            // 1: the epilogue stages through stmatrix; 0: two-byte stores (A/B)
 };
 
 // Shared memory: the ring, the epilogue's staging tiles, the ring barriers. Only the 1024-aligned
@@ -303,11 +302,6 @@ __device__ __forceinline__ void mma_task_any(const Params& p, const Ring& sm, in
 // (Shared-memory addresses are 32-bit here: generic 64-bit pointers cost the registers that the
 // megakernel's consumers do not have next to 128 accumulators.)
 
-__device__ __forceinline__ void st_shared_bf16(uint32_t addr, float v) {
-  const __nv_bfloat16 b = __float2bfloat16_rn(v);
-  asm volatile("st.shared.b16 [%0], %1;" ::"r"(addr), "h"(*reinterpret_cast<const uint16_t*>(&b)) : "memory");
-}
-
 // Four 8x8 bf16 tiles of the warp's accumulator fragments (r0..r3: this thread's pair of adjacent
 // tokens of one weight row in each) stored transposed: lane 8 m + i gives the address of token row
 // i of tile m, which receives the tile's 8 weight rows as 16 contiguous bytes. One instruction
@@ -367,26 +361,8 @@ __device__ __forceinline__ void store_task(const Params& p, const Ring& sm, cons
     const int row0 = tk.row0 + 64 * sl;
     const int n_real = tk.n_real - 64 * sl;
     for (int round = 0; round < rounds; ++round) {
-      if (!p.stmatrix) {  // A/B: the two-byte stores
-        const int q = lane % 4, r = lane / 4;
-#pragma unroll
-        for (int g8 = 0; g8 < 8; ++g8) {
-          const int g = 8 * sl + g8;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int c = 8 * g8 + 2 * q + h;
-            const float lo = acc[4 * g + h], hi = acc[4 * g + 2 + h];
-            if constexpr (kSwiGLU) {
-              const float v = round == 0 ? swiglu(lo, hi) : (round == 1 ? lo : hi);
-              st_shared_bf16(stg + 2 * (c * kStageStride + 8 * w + r), v);
-            } else {
-              st_shared_bf16(stg + 2 * (c * kStageStride + 16 * w + r), lo);
-              st_shared_bf16(stg + 2 * (c * kStageStride + 16 * w + 8 + r), hi);
-            }
-          }
-        }
-      } else if constexpr (kSwiGLU) {
-        // Tile g: output columns 8 w .. 8 w + 7 (gate/up pair j = 8 w + r) x tokens 8 g .. 8 g + 7;
+      if constexpr (kSwiGLU) {
+        // Tile g: output columns 8 w .. 8 w + 7 (gate/up pair j = 8 w + lane / 4) x tokens 8 g .. 8 g + 7;
         // lane 8 m + i addresses token 8 (g8 + m) + i of the slice.
 #pragma unroll
         for (int g8 = 0; g8 < 8; g8 += 4) {
@@ -454,8 +430,6 @@ inline Params make_params(const int* seg_offsets, const int* seg_counts, int nse
   p.n_blocks = swiglu ? (N + WM / 2 - 1) / (WM / 2) : (N + WM - 1) / WM;
   p.out = static_cast<__nv_bfloat16*>(out);
   p.pre_out = swiglu ? static_cast<__nv_bfloat16*>(pre_out) : nullptr;
-  const char* v = getenv("MOK_XGEMM_STMATRIX");  // =0: two-byte staging stores (A/B; same bits)
-  p.stmatrix = (v != nullptr && v[0] == '0') ? 0 : 1;
   return p;
 }
 
