@@ -299,13 +299,11 @@ __device__ __forceinline__ void mma_task_any(const Params& p, const Ring& sm, in
 // Accumulator layout of a consumer warpgroup (thread t, warp w = t / 32, lane l, q = l % 4):
 // acc[4 g + 2 s + h] holds weight row 16 w + l / 4 + 8 s and token 8 g + 2 q + h.
 
-// (Shared-memory addresses are 32-bit here: generic 64-bit pointers cost the registers that the
-// megakernel's consumers do not have next to 128 accumulators.)
-
 // Four 8x8 bf16 tiles of the warp's accumulator fragments (r0..r3: this thread's pair of adjacent
 // tokens of one weight row in each) stored transposed: lane 8 m + i gives the address of token row
 // i of tile m, which receives the tile's 8 weight rows as 16 contiguous bytes. One instruction
-// replaces 16 two-byte stores per thread.
+// replaces 8 two-byte stores per thread. (Shared-memory addresses are 32-bit here: generic 64-bit
+// pointers cost the registers that the megakernel's consumers do not have next to 128 accumulators.)
 __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
   asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1),
                "r"(r2), "r"(r3)
