@@ -5,6 +5,9 @@
 // torch symmetric memory handles on the Python side; they are passed to the kernels by value.
 #include <Python.h>
 
+#include <cstdio>
+#include <string>
+
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -20,6 +23,17 @@ cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(
 
 void check(const char* msg) { TORCH_CHECK(msg == nullptr, msg); }
 
+// Messages that carry numbers are formatted by snprintf and handed to TORCH_CHECK as one C string:
+// the GPU machines' toolchain links libstdc++ statically into the extension, and formatting an
+// integer through TORCH_CHECK's iostream there segfaults (string-only messages do not).
+template <class... Args>
+std::string format(const char* f, Args... args) {
+  char buf[512];
+  std::snprintf(buf, sizeof buf, f, args...);
+  return std::string(buf);
+}
+#define MOK_CHECK(cond, ...) TORCH_CHECK(cond, format(__VA_ARGS__).c_str())
+
 void check_cuda(const Tensor& t, const char* name, at::ScalarType dtype) {
   TORCH_CHECK(t.is_cuda(), "megatron_mok: ", name, " must be a CUDA tensor");
   TORCH_CHECK(t.scalar_type() == dtype, "megatron_mok: ", name, " has dtype ", t.scalar_type(), ", expected ", dtype);
@@ -27,11 +41,12 @@ void check_cuda(const Tensor& t, const char* name, at::ScalarType dtype) {
 }
 
 mok::PeerPtrs peers(const std::vector<int64_t>& ptrs, const char* name) {
-  TORCH_CHECK(!ptrs.empty() && ptrs.size() <= static_cast<size_t>(mok::kMaxPeers), "megatron_mok: ", name,
-              " must list 1..", mok::kMaxPeers, " peer addresses, got ", ptrs.size());
+  MOK_CHECK(!ptrs.empty() && ptrs.size() <= static_cast<size_t>(mok::kMaxPeers),
+            "megatron_mok: %s must list 1..%d peer addresses, got %zu", name, static_cast<int>(mok::kMaxPeers),
+            ptrs.size());
   mok::PeerPtrs p{};
   for (size_t i = 0; i < ptrs.size(); ++i) {
-    TORCH_CHECK(ptrs[i] != 0 && ptrs[i] % 16 == 0, "megatron_mok: ", name, "[", i, "] is not a 16-byte aligned address");
+    MOK_CHECK(ptrs[i] != 0 && ptrs[i] % 16 == 0, "megatron_mok: %s[%zu] is not a 16-byte aligned address", name, i);
     p.p[i] = reinterpret_cast<void*>(ptrs[i]);
   }
   return p;
@@ -96,8 +111,8 @@ void build_schedule(const Tensor& top_experts, Tensor& routing_buf, Tensor& stat
   const int nle = expert_counts.numel();
   TORCH_CHECK(top_experts.numel() == static_cast<int64_t>(T) * k, "megatron_mok: top_experts must be [T, k]");
   TORCH_CHECK(routing_buf.numel() == 2 * top_all.numel(), "megatron_mok: routing buffer must be [2, ep, T, k]");
-  TORCH_CHECK(peer_bufs.size() == static_cast<size_t>(ep) && peer_flags.size() == peer_bufs.size(),
-              "megatron_mok: peer_bufs and peer_flags must list the ", ep, " ranks of top_all");
+  MOK_CHECK(peer_bufs.size() == static_cast<size_t>(ep) && peer_flags.size() == peer_bufs.size(),
+            "megatron_mok: peer_bufs and peer_flags must list the %d ranks of top_all", static_cast<int>(ep));
   TORCH_CHECK(expert_offsets.numel() == nle + 1, "megatron_mok: expert_offsets must have nle + 1 entries");
   TORCH_CHECK(row_src_slot.numel() == row_src_rank.numel(), "megatron_mok: row arrays differ in size");
   TORCH_CHECK(scratch.numel() >= mok::schedule_scratch_ints(ep, T, nle, num_experts), "megatron_mok: scratch too small");
@@ -331,7 +346,7 @@ void megakernel_timeline(Tensor& records, bool enable) {
 const int* tight_rows(const std::optional<Tensor>& trow, int64_t rows, const char* op) {
   if (!trow.has_value()) return nullptr;
   check_cuda(*trow, "trow", at::kInt);
-  TORCH_CHECK(trow->numel() == rows, "megatron_mok: ", op, " trow must have ", rows, " entries");
+  MOK_CHECK(trow->numel() == rows, "megatron_mok: %s trow must have %lld entries", op, static_cast<long long>(rows));
   return trow->data_ptr<int>();
 }
 
@@ -421,6 +436,62 @@ void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const std::o
   c10::cuda::CUDAGuard guard(h.device());
   check(mok::launch_swiglu_backward(h.data_ptr(), da.data_ptr(), dh.data_ptr(), h.size(0), static_cast<int>(da.size(1)),
                                     seg, nseg, map, current_stream()));
+}
+
+// The routed dgrad on the expert-major GEMM: out = dy @ w[e] per segment; with h, out = dh (the
+// SwiGLU backward fused into the epilogue).
+void expert_dgrad(const Tensor& dy, const Tensor& w, const Tensor& seg_offsets, const Tensor& seg_counts, Tensor& out,
+                  const std::optional<Tensor>& h, const std::optional<Tensor>& trow, int64_t num_ctas) {
+  check_cuda(dy, "dy", at::kBFloat16);
+  check_cuda(w, "w", at::kBFloat16);
+  check_cuda(out, "out", at::kBFloat16);
+  check_cuda(seg_offsets, "seg_offsets", at::kInt);
+  check_cuda(seg_counts, "seg_counts", at::kInt);
+  TORCH_CHECK(dy.dim() == 2 && w.dim() == 3 && out.dim() == 2,
+              "megatron_mok: expert_dgrad needs dy [rows, K], w [nseg, K, M], out [rows, M] (or [rows, 2 M] with h)");
+  const int64_t K = dy.size(1), nseg = w.size(0), M = w.size(2);
+  using ll = long long;
+  MOK_CHECK(w.size(1) == K, "megatron_mok: expert_dgrad w must be [nseg, K, M] with K = dy.size(1) = %lld, got [%lld, %lld, %lld]",
+            ll(K), ll(nseg), ll(w.size(1)), ll(M));
+  MOK_CHECK(seg_offsets.numel() == nseg + 1 && seg_counts.numel() == nseg,
+            "megatron_mok: expert_dgrad needs nseg + 1 seg_offsets and nseg seg_counts (nseg = %lld)", ll(nseg));
+  const int64_t out_cols = h.has_value() ? 2 * M : M;
+  MOK_CHECK(out.size(0) == dy.size(0) && out.size(1) == out_cols, "megatron_mok: expert_dgrad out must be [%lld, %lld], got [%lld, %lld]",
+            ll(dy.size(0)), ll(out_cols), ll(out.size(0)), ll(out.size(1)));
+  const void* hp = nullptr;
+  if (h.has_value()) {
+    check_cuda(*h, "h", at::kBFloat16);
+    MOK_CHECK(h->dim() == 2 && h->size(1) == 2 * M, "megatron_mok: expert_dgrad h must be [rows, 2 M = %lld], got %lld dims, %lld columns",
+              ll(2 * M), ll(h->dim()), ll(h->size(-1)));
+    hp = h->data_ptr();
+  }
+  const int* map = tight_rows(trow, out.size(0), "expert_dgrad");
+  TORCH_CHECK(map == nullptr || hp != nullptr, "megatron_mok: expert_dgrad trow needs h");
+  c10::cuda::CUDAGuard guard(dy.device());
+  check(mok::launch_expert_dgrad(dy.data_ptr(), dy.size(0), static_cast<int>(K), w.data_ptr(), static_cast<int>(M),
+                                 static_cast<int>(nseg), seg_offsets.data_ptr<int>(), seg_counts.data_ptr<int>(),
+                                 out.data_ptr(), hp, map, static_cast<int>(num_ctas), current_stream()));
+}
+
+// Routed weight gradients on the expert-major ring: out[e] = a[rows of e]^T @ b[rows of e].
+void expert_wgrad(const Tensor& a, const Tensor& a_offsets, const Tensor& b, const Tensor& b_offsets,
+                  const Tensor& counts, Tensor& out, int64_t num_ctas) {
+  check_cuda(a, "a", at::kBFloat16);
+  check_cuda(b, "b", at::kBFloat16);
+  check_cuda(out, "out", at::kBFloat16);
+  for (auto* t : {&a_offsets, &b_offsets, &counts}) check_cuda(*t, "offsets / counts", at::kInt);
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && out.dim() == 3,
+              "megatron_mok: expert_wgrad needs a [rows, M], b [rows', N], out [nseg, M, N]");
+  const int64_t nseg = out.size(0), M = a.size(1), N = b.size(1);
+  using ll = long long;
+  MOK_CHECK(out.size(1) == M && out.size(2) == N, "megatron_mok: expert_wgrad out must be [nseg, %lld, %lld], got [%lld, %lld, %lld]",
+            ll(M), ll(N), ll(nseg), ll(out.size(1)), ll(out.size(2)));
+  MOK_CHECK(a_offsets.numel() == nseg + 1 && b_offsets.numel() == nseg + 1 && counts.numel() == nseg,
+            "megatron_mok: expert_wgrad needs nseg + 1 offsets in each layout and nseg counts (nseg = %lld)", ll(nseg));
+  c10::cuda::CUDAGuard guard(a.device());
+  check(mok::launch_expert_wgrad(a.data_ptr(), a.size(0), static_cast<int>(M), a_offsets.data_ptr<int>(), b.data_ptr(),
+                                 b.size(0), static_cast<int>(N), b_offsets.data_ptr<int>(), counts.data_ptr<int>(),
+                                 static_cast<int>(nseg), out.data_ptr(), static_cast<int>(num_ctas), current_stream()));
 }
 
 void zero_empty_segments(Tensor& t, const Tensor& seg_counts) {
@@ -520,6 +591,12 @@ TORCH_LIBRARY(megatron_mok, m) {
   m.def("bwd_tight_map(Tensor expert_counts, Tensor expert_offsets, Tensor(a!) toffs, Tensor(b!) trow, int align) -> ()");
   m.def("gather_rows(Tensor src, Tensor(a!) dst, Tensor trow, Tensor toffs, int num_ctas) -> ()");
   m.def("swiglu_backward(Tensor h, Tensor da, Tensor(a!) dh, Tensor? seg_offsets, Tensor? trow=None) -> ()");
+  m.def(
+      "expert_dgrad(Tensor dy, Tensor w, Tensor seg_offsets, Tensor seg_counts, Tensor(a!) out, Tensor? h=None, "
+      "Tensor? trow=None, int num_ctas=0) -> ()");
+  m.def(
+      "expert_wgrad(Tensor a, Tensor a_offsets, Tensor b, Tensor b_offsets, Tensor counts, Tensor(a!) out, "
+      "int num_ctas=0) -> ()");
   m.def("zero_empty_segments(Tensor(a!) t, Tensor seg_counts) -> ()");
   m.def(
       "bwd_push(Tensor rows, Tensor row_src_rank, Tensor row_src_slot, Tensor expert_offsets, Tensor(a!) state, "
@@ -545,6 +622,8 @@ TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("bwd_tight_map", &bwd_tight_map);
   m.impl("gather_rows", &gather_rows);
   m.impl("swiglu_backward", &swiglu_backward);
+  m.impl("expert_dgrad", &expert_dgrad);
+  m.impl("expert_wgrad", &expert_wgrad);
   m.impl("zero_empty_segments", &zero_empty_segments);
   m.impl("bwd_push", &bwd_push);
   m.impl("bwd_epilogue_wait", &bwd_epilogue_wait);

@@ -366,6 +366,16 @@ def _bwd_overlap_enabled() -> bool:
     return os.environ.get("MOK_BWD_OVERLAP", "1") != "0"
 
 
+def _bwd_gemms_on_torch() -> bool:
+    """MOK_BWD_GEMM=torch runs the routed backward GEMMs as ``torch._grouped_mm`` (with
+    ``swiglu_backward`` and gathers into the tight layout) instead of mok's expert-major GEMMs
+    (read per call: the A/B switch; both accumulate K in ascending order)."""
+    v = os.environ.get("MOK_BWD_GEMM", "mok")
+    if v not in ("mok", "torch"):
+        raise ValueError(f"megatron_mok: MOK_BWD_GEMM must be 'mok' or 'torch', got {v!r}")
+    return v == "torch"
+
+
 _SIDE_STREAMS: dict = {}
 
 
@@ -401,26 +411,27 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     exist). Per rank, on the current stream:
 
     1. ``bwd_publish``: grad_out and probs into this rank's symmetric buffers, device barrier;
-    2. ``bwd_tight_map``: the tight row layout of the routed GEMMs (each expert's rows padded to
-       ``ops.TIGHT_ALIGN``, not 128: ``toffs``, and ``trow``: tight row -> padded row or -1);
-       ``bwd_pull``: every routed row pulls its grad_out row and router weight from the source rank,
-       ``dy = w * g`` (bf16, tight rows), and pushes ``<g, y_routed>`` (the router-weight gradient,
-       fp32, fixed order) into the source's symmetric ``[T * k]`` buffer;
+    2. ``bwd_pull``: every routed row pulls its grad_out row and router weight from the source rank,
+       ``dy = w * g`` (bf16, the forward's padded rows; padding rows 0), and pushes ``<g, y_routed>``
+       (the router-weight gradient, fp32, fixed order) into the source's symmetric ``[T * k]`` buffer;
     3. shared expert (cuBLAS, bf16 in, fp32 accumulate): on a side stream launched after the pull,
        joined before step 6 (``MOK_BWD_OVERLAP=0``: on the caller's stream after step 4);
     4. routed dgrad, the critical path to the push: ``h = x_routed @ fc1[e]^T`` from the context (or,
        when the forward did not keep it, recomputed by the forward's SwiGLU GEMM: the same bits),
-       ``da = dy @ fc2[e]``, ``dh = swiglu_backward(h, da)``, ``dx_rows = dh @ fc1[e]``
-       (``torch._grouped_mm`` with the device offsets ``toffs[1:]``: groups stop at the last real
-       rows; tight padding rows are zero so they add nothing); ``bwd_push``: dx rows into the
-       source ranks' symmetric ``[T * k, H]`` slots, opening the closing barrier;
-    5. routed wgrad while the peers finish pushing: ``dfc2[e] = dy^T @ act``,
-       ``dfc1[e] = dh^T @ x_routed`` (``act`` and ``x_routed`` gathered into the tight layout first);
-       experts without rows get exact zeros (``zero_empty_segments``);
+       ``dh = swiglu_backward(h, dy @ fc2[e])`` and ``dx_rows = dh @ fc1[e]`` (``expert_dgrad``, the
+       expert-major GEMM reading the weights MN-major, the SwiGLU backward fused into the first);
+       ``bwd_push``: dx rows into the source ranks' symmetric ``[T * k, H]`` slots, opening the
+       closing barrier;
+    5. routed wgrad while the peers finish pushing (``expert_wgrad``, reading the padded rows):
+       ``dfc2[e] = dy^T @ act``, ``dfc1[e] = dh^T @ x_routed``; experts without rows get exact zeros;
     6. ``bwd_epilogue_wait``: closes the barrier, ``dx[t] = sum_s slot[t, s]`` in slot order in fp32
        ``+`` shared dx, cast once; ``dprobs`` copied out of the symmetric buffer.
 
     Which stream runs what changes no bit: every kernel's inputs and reduction order are the same.
+    ``MOK_BWD_GEMM=torch`` (and more than 512 local experts) runs steps 4-5 on ``torch._grouped_mm``
+    in a tight row layout instead (``bwd_tight_map``: each expert's rows padded to
+    ``ops.TIGHT_ALIGN``, not 128; ``swiglu_backward``; ``gather_rows`` of act and x_routed;
+    ``zero_empty_segments``).
 
     Weight gradients come back in bf16 (fp32 accumulation inside each GEMM, one rounding; autograd
     casts them to the weights' dtype anyway); with ``main_grads`` they are added into those fp32
@@ -458,14 +469,20 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     dwbuf, dw_ptrs = c.buffer("bwd_dprobs_slots", (T * k,), torch.float32)
     ops.bwd_publish(g, gbuf, probs.contiguous(), pbuf, c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
 
-    # 2. tight layout (groups padded to TIGHT_ALIGN rows, not 128); pull dy = w * g into it; the
-    # router-weight gradient is pushed to its source slot
+    # 2. pull dy = w * g into the routed rows; the router-weight gradient is pushed to its source
+    # slot. mok's GEMMs skip padding rows, so they keep the forward's padded layout (no gathers);
+    # torch._grouped_mm computes every row of a group, so it gets the tight layout (groups padded to
+    # TIGHT_ALIGN rows, not 128)
     nle = sched.expert_counts.numel()
-    toffs = torch.empty((nle + 1,), dtype=torch.int32, device=ws.device)
-    trow = torch.empty((cap,), dtype=torch.int32, device=ws.device)
-    ops.bwd_tight_map(sched.expert_counts, sched.expert_offsets, toffs, trow)
+    counts, offsets = sched.expert_counts, sched.expert_offsets
+    on_torch = _bwd_gemms_on_torch() or nle > ops.EXPERT_GEMM_MAX_SEGMENTS
+    row_offs, trow = offsets, None
+    if on_torch:
+        row_offs = torch.empty((nle + 1,), dtype=torch.int32, device=ws.device)
+        trow = torch.empty((cap,), dtype=torch.int32, device=ws.device)
+        ops.bwd_tight_map(counts, offsets, row_offs, trow)
     dy = torch.empty((cap, H), **bf16)
-    ops.bwd_pull(sched.row_src_rank, sched.row_src_slot, toffs, ctx.y_routed, dy, g_ptrs, p_ptrs, dw_ptrs, k,
+    ops.bwd_pull(sched.row_src_rank, sched.row_src_slot, row_offs, ctx.y_routed, dy, g_ptrs, p_ptrs, dw_ptrs, k,
                  comm_ctas, trow=trow)
 
     # 3. the shared expert needs only g: with MOK_BWD_OVERLAP (default on) it runs on a side stream
@@ -479,33 +496,46 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     # 4. routed dgrad first (the critical path to the push): h = x_routed @ fc1[e]^T from the context
     # (or recomputed by the forward's SwiGLU GEMM: the same bits), da = dy @ fc2[e],
     # dh = swiglu_backward(h, da), dx_rows = dh @ fc1[e] (cap rows allocated: the row count is a
-    # device value; groups stop at toffs[nle], tight padding rows are zero and add nothing)
-    offs = toffs[1:]
+    # device value; padding rows are zero and add nothing)
     h = ctx.h if ctx.h is not None else _recompute_gate_up(ctx.x_routed, fc1, sched)  # padded rows
-    da = torch._grouped_mm(dy, fc2, offs=offs)  # [cap, I]
     dh = torch.empty((cap, 2 * I), **bf16)
-    ops.swiglu_backward(h, da, dh, toffs, trow=trow)
-    del h, da
-    dx_rows = torch._grouped_mm(dh, fc1, offs=offs)  # [cap, H]
+    if on_torch:
+        da = torch._grouped_mm(dy, fc2, offs=row_offs[1:])  # [cap, I]
+        ops.swiglu_backward(h, da, dh, row_offs, trow=trow)
+        del h, da
+        dx_rows = torch._grouped_mm(dh, fc1, offs=row_offs[1:])  # [cap, H]
+    else:  # expert-major GEMMs (weights MN-major); the SwiGLU backward in the first one's epilogue
+        ops.expert_dgrad(dy, fc2, offsets, counts, dh, h=h)
+        del h
+        dx_rows = torch.empty((cap, H), **bf16)
+        ops.expert_dgrad(dh, fc1, offsets, counts, dx_rows)
 
     # push dx rows into the source ranks' slots (opens the closing barrier); 5. the weight gradients
-    # then run while the peers finish pushing: dfc2[e] = dy^T @ act, dfc1[e] = dh^T @ x_routed
-    # (act and x_routed gathered into the tight layout); experts without rows get exact zeros
-    ops.bwd_push(dx_rows, sched.row_src_rank, sched.row_src_slot, toffs, c.state, slot_ptrs, c.flag_ptrs, ws.rank,
+    # then run while the peers finish pushing: dfc2[e] = dy^T @ act, dfc1[e] = dh^T @ x_routed;
+    # experts without rows get exact zeros
+    ops.bwd_push(dx_rows, sched.row_src_rank, sched.row_src_slot, row_offs, c.state, slot_ptrs, c.flag_ptrs, ws.rank,
                  comm_ctas, trow=trow)
     del dx_rows
     if shared_fc1 is not None and side is None:
         shared = _shared_backward(ctx, g, x, shared_fc1, shared_fc2)
-    act_t = torch.empty((cap, I), **bf16)
-    ops.gather_rows(ctx.act, act_t, trow, toffs, comm_ctas)
-    dfc2 = torch._grouped_mm(dy.t(), act_t, offs=offs)  # [nle, H, I]
-    del act_t, dy
-    ops.zero_empty_segments(dfc2, sched.expert_counts)
-    x_t = torch.empty((cap, H), **bf16)
-    ops.gather_rows(ctx.x_routed, x_t, trow, toffs, comm_ctas)
-    dfc1 = torch._grouped_mm(dh.t(), x_t, offs=offs)  # [nle, 2I, H]
-    del x_t, dh
-    ops.zero_empty_segments(dfc1, sched.expert_counts)
+    if on_torch:  # act and x_routed gathered into the tight layout first
+        act_t = torch.empty((cap, I), **bf16)
+        ops.gather_rows(ctx.act, act_t, trow, row_offs, comm_ctas)
+        dfc2 = torch._grouped_mm(dy.t(), act_t, offs=row_offs[1:])  # [nle, H, I]
+        del act_t, dy
+        ops.zero_empty_segments(dfc2, counts)
+        x_t = torch.empty((cap, H), **bf16)
+        ops.gather_rows(ctx.x_routed, x_t, trow, row_offs, comm_ctas)
+        dfc1 = torch._grouped_mm(dh.t(), x_t, offs=row_offs[1:])  # [nle, 2I, H]
+        del x_t, dh
+        ops.zero_empty_segments(dfc1, counts)
+    else:
+        dfc2 = torch.empty((nle, H, I), **bf16)
+        ops.expert_wgrad(dy, offsets, ctx.act, offsets, counts, dfc2)
+        del dy
+        dfc1 = torch.empty((nle, 2 * I, H), **bf16)
+        ops.expert_wgrad(dh, offsets, ctx.x_routed, offsets, counts, dfc1)
+        del dh
 
     dsfc1 = dsfc2 = shared_dx = None
     if shared_fc1 is not None:

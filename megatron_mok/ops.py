@@ -23,6 +23,8 @@ SCHEDULE_CHUNK = 256
 # Must match csrc/kernels/megakernel.cu: kHeader ints, then 2 per routed m-tile, 1 per shared m-tile.
 MEGA_COUNTER_HEADER = 4
 ROW_TILE = 128
+# Must match xgemm::kMaxSeg in csrc/kernels/expert_gemm.cuh: segments (local experts) per launch.
+EXPERT_GEMM_MAX_SEGMENTS = 512
 
 
 def _load() -> bool:
@@ -57,7 +59,7 @@ def _register_fakes() -> None:
     for name in ("barrier", "publish_barrier", "build_schedule", "dispatch", "grouped_gemm",
                  "combine", "moe_epilogue", "moe_epilogue_wait", "megakernel", "megakernel_timeline",
                  "bwd_publish", "bwd_pull",
-                 "bwd_tight_map", "gather_rows", "swiglu_backward", "zero_empty_segments", "bwd_push",
+                 "bwd_tight_map", "gather_rows", "swiglu_backward", "expert_dgrad", "expert_wgrad", "zero_empty_segments", "bwd_push",
                  "bwd_epilogue_wait"):
         torch.library.register_fake(f"megatron_mok::{name}")(_noop)
 
@@ -192,6 +194,23 @@ def swiglu_backward(h, da, dh, seg_offsets=None, trow=None) -> None:
     below ``seg_offsets[-1]`` (device value) are computed. ``trow`` (with tight ``seg_offsets``):
     ``da``/``dh`` row r pairs with ``h`` row ``trow[r]``; ``trow[r] < 0``: ``dh`` row r = 0."""
     _ops().swiglu_backward(h, da, dh, seg_offsets, trow)
+
+
+def expert_dgrad(dy, w, seg_offsets, seg_counts, out, h=None, trow=None, num_ctas: int = 0) -> None:
+    """``out[r] = dy[r] @ w[e]`` for the rows r of segment e (``w`` ``[nseg, K, M]``, as
+    ``torch._grouped_mm(dy, w, offs=seg_offsets[1:])``), on the expert-major GEMM; rows of a segment
+    past ``seg_counts[e]`` get zeros. With ``h`` (``[rows', 2M] = [gate | up]``): ``out = [d_gate |
+    d_up]`` (``[rows, 2M]``) of ``da = bf16(dy @ w[e])``, as ``swiglu_backward(h, da, out, ...)``
+    gives; ``trow``: out row r pairs with ``h`` row ``trow[r]`` (< 0: a zero row)."""
+    _ops().expert_dgrad(dy, w, seg_offsets, seg_counts, out, h, trow, num_ctas)
+
+
+def expert_wgrad(a, a_offsets, b, b_offsets, counts, out, num_ctas: int = 0) -> None:
+    """``out[e] = a[rows of e]^T @ b[rows of e]`` (``[nseg, M, N]``; fp32 accumulation over the rows
+    in ascending order, one rounding): expert e's ``counts[e]`` rows start at ``a_offsets[e]`` in
+    ``a`` (``[rows, M]``) and ``b_offsets[e]`` in ``b`` (``[rows', N]``); the rows up to the next
+    multiple of 16 are read too and must be zero in ``a`` or ``b``. Experts without rows get zeros."""
+    _ops().expert_wgrad(a, a_offsets, b, b_offsets, counts, out, num_ctas)
 
 
 def zero_empty_segments(t, seg_counts) -> None:

@@ -194,13 +194,7 @@ __global__ void swiglu_bwd_kernel(const __nv_bfloat16* __restrict__ h, const __n
     unpack8(ld16(h + hr * two_i + I + c), u);
     unpack8(ld16(da + r * I + c), d);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float sig = __fdiv_rn(1.0f, __fadd_rn(1.0f, __expf(-g[j])));
-      const float s = __fmul_rn(g[j], sig);
-      const float dsilu = __fmul_rn(sig, __fadd_rn(1.0f, __fmul_rn(g[j], __fsub_rn(1.0f, sig))));
-      dg[j] = __fmul_rn(__fmul_rn(d[j], u[j]), dsilu);
-      du[j] = __fmul_rn(d[j], s);
-    }
+    for (int j = 0; j < 8; ++j) swiglu_grad(g[j], u[j], d[j], dg[j], du[j]);
     st16(dh + r * two_i + c, pack8(dg));
     st16(dh + r * two_i + I + c, pack8(du));
   }

@@ -351,6 +351,19 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128(const void* smem) {
   return desc;
 }
 
+// The same for an MN-major tile: 128-byte rows of 64 M (or N) elements, one row per K, 8-row groups
+// 1024 B apart (SBO); the leading byte offset steps to the next 64 elements of M, here the next
+// 8 KB box (a warpgroup's m64 operand spans one, so wgmma does not step).
+__device__ __forceinline__ uint64_t wgmma_desc_sw128_mn(const void* smem) {
+  uint64_t addr = smem_u32(smem);
+  uint64_t desc = 0;
+  desc |= (addr & 0x3FFFFull) >> 4;
+  desc |= (uint64_t)(8192 >> 4) << 16;
+  desc |= (uint64_t)(1024 >> 4) << 32;
+  desc |= (uint64_t)1 << 62;
+  return desc;
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>

@@ -179,35 +179,45 @@ __device__ __forceinline__ Task decode_window(const Params& p, const int* prefix
 // stages (w(s), x(s): the token-major ring's a(s), b(s) layout) and their barriers (full(s),
 // empty(s)). Megakernel (kWatch): waits under the watchdog, and `tag` goes to stage_tag[s] of the
 // task's first stage before it is armed.
-template <bool kSwiGLU, bool kWatch = false, class Ring>
+// kWMN (the backward's dgrad): the weights are stored [K, M] per expert (M contiguous, as
+// Megatron keeps them for the forward); a stage then holds two [64 K rows][64 M] boxes, one per
+// consumer warpgroup, which wgmma reads as an MN-major A operand.
+template <bool kSwiGLU, bool kWatch = false, bool kWMN = false, class Ring>
 __device__ __forceinline__ void produce_task(const Params& p, const CUtensorMap* tmW, const CUtensorMap* tmX,
                                              const Ring& sm, const Task& t, uint32_t& it, const Watchdog* w = nullptr,
                                              volatile int* stage_tag = nullptr, int tag = 0) {
+  static_assert(!(kSwiGLU && kWMN), "the gate/up pair map is K-major");
   const int nk = (p.K + BK - 1) / BK;
   const int nbox = (t.n_tok + kXBox - 1) / kXBox;
   // SwiGLU: the 4D map's outer coordinate counts 8-row blocks of the gate half
-  const int wcoord = kSwiGLU ? (t.seg * p.w_rows_per_seg + t.block * (WM / 2)) / 8 : t.seg * p.w_rows_per_seg + t.block * WM;
+  const int wcoord = kWMN ? t.seg * p.K
+                          : (kSwiGLU ? (t.seg * p.w_rows_per_seg + t.block * (WM / 2)) / 8
+                                     : t.seg * p.w_rows_per_seg + t.block * WM);
   for (int kb = 0; kb < nk; ++kb, ++it) {
     const int s = it % kStages;
     gemm::ring_wait<kWatch>(sm.empty(s), ((it / kStages) & 1) ^ 1, w);
     if (stage_tag != nullptr && kb == 0) stage_tag[s] = tag;
     mbar_arrive_expect_tx(sm.full(s), kWBytes + nbox * kXBox * BK * 2);
-    if constexpr (kSwiGLU)
+    if constexpr (kWMN) {
+      tma_load_2d(sm.w(s), tmW, sm.full(s), t.block * WM, wcoord + kb * BK);
+      tma_load_2d(sm.w(s) + kWBytes / 2, tmW, sm.full(s), t.block * WM + WM / 2, wcoord + kb * BK);
+    } else if constexpr (kSwiGLU) {
       tma_load_4d(sm.w(s), tmW, sm.full(s), kb * BK, 0, 0, wcoord);
-    else
+    } else {
       tma_load_2d(sm.w(s), tmW, sm.full(s), kb * BK, wcoord);
+    }
     for (int i = 0; i < nbox; ++i)
       tma_load_2d(sm.x(s) + i * kXBox * 128, tmX, sm.full(s), kb * BK, t.row0 + i * kXBox);
   }
 }
 
 // wgmma m64 nN k16 through CuTe's SM90 atoms, on the first N / 2 accumulators.
-template <int N>
+template <int N, cute::SM90::GMMA::Major kMajorA>
 struct Atom;
-#define MOK_XGEMM_ATOM(N) \
-  template <>             \
-  struct Atom<N> {        \
-    using type = cute::SM90::GMMA::MMA_64x##N##x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>; \
+#define MOK_XGEMM_ATOM(N)                                                                             \
+  template <cute::SM90::GMMA::Major kMajorA>                                                          \
+  struct Atom<N, kMajorA> {                                                                           \
+    using type = cute::SM90::GMMA::MMA_64x##N##x16_F32BF16BF16_SS<kMajorA, cute::SM90::GMMA::Major::K>; \
   };
 MOK_XGEMM_ATOM(16)
 MOK_XGEMM_ATOM(32)
@@ -227,17 +237,18 @@ MOK_XGEMM_ATOM(240)
 MOK_XGEMM_ATOM(256)
 #undef MOK_XGEMM_ATOM
 
-template <int N, size_t... Is>
+template <int N, bool kWMN, size_t... Is>
 __device__ __forceinline__ void wgmma_n(float (&d)[128], uint64_t da, uint64_t db, bool accumulate,
                                         std::index_sequence<Is...>) {
-  Atom<N>::type::fma(da, db, d[Is]...,
+  constexpr auto kMajorA = kWMN ? cute::SM90::GMMA::Major::MN : cute::SM90::GMMA::Major::K;
+  Atom<N, kMajorA>::type::fma(da, db, d[Is]...,
                      accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
 }
 
 // Consumer warpgroup `cw`: weight rows 64 cw .. 64 cw + 63 of the stage against its N token rows.
 // kPaired (megakernel clusters): a stage is freed on both CTAs' empty barriers (the ring protocol
 // of grouped_gemm.cuh; the expert tasks themselves share nothing).
-template <int N, bool kWatch, bool kPaired, class Ring>
+template <int N, bool kWatch, bool kPaired, bool kWMN, class Ring>
 __device__ __forceinline__ void mma_task(const Params& p, const Ring& sm, int cw, float (&acc)[128], uint32_t& it,
                                          const Watchdog* w) {
   const int nk = (p.K + BK - 1) / BK;
@@ -248,9 +259,12 @@ __device__ __forceinline__ void mma_task(const Params& p, const Ring& sm, int cw
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
-      const uint64_t da = wgmma_desc_sw128(sm.w(s) + cw * (WM / 2) * 128 + kk * 32);
+      // K-major: 16 K columns are 32 bytes of each 128-byte row; MN-major: 16 rows of 128 bytes of
+      // the warpgroup's own [64 K][64 M] box (the 8-row groups 1024 bytes apart either way)
+      const uint64_t da = kWMN ? wgmma_desc_sw128_mn(sm.w(s) + cw * (kWBytes / 2) + kk * 16 * 128)
+                               : wgmma_desc_sw128(sm.w(s) + cw * (WM / 2) * 128 + kk * 32);
       const uint64_t db = wgmma_desc_sw128(sm.x(s) + kk * 32);
-      wgmma_n<N>(acc, da, db, kb > 0 || kk > 0, std::make_index_sequence<N / 2>{});
+      wgmma_n<N, kWMN>(acc, da, db, kb > 0 || kk > 0, std::make_index_sequence<N / 2>{});
     }
     wgmma_commit();
     if (prev >= 0) {
@@ -277,13 +291,13 @@ __device__ __forceinline__ void skip_task(const Params& p, const Ring& sm, uint3
 }
 
 // The task's N as a template argument (N = 16 .. 256).
-template <bool kWatch = false, bool kPaired = false, class Ring>
+template <bool kWatch = false, bool kPaired = false, bool kWMN = false, class Ring>
 __device__ __forceinline__ void mma_task_any(const Params& p, const Ring& sm, int cw, float (&acc)[128], uint32_t& it,
                                              int n_tok, const Watchdog* w = nullptr) {
   switch (n_tok / kTokAlign) {
 #define MOK_XGEMM_CASE(U) \
   case U:                 \
-    mma_task<U * kTokAlign, kWatch, kPaired>(p, sm, cw, acc, it, w); \
+    mma_task<U * kTokAlign, kWatch, kPaired, kWMN>(p, sm, cw, acc, it, w); \
     break;
     MOK_XGEMM_CASE(1) MOK_XGEMM_CASE(2) MOK_XGEMM_CASE(3) MOK_XGEMM_CASE(4) MOK_XGEMM_CASE(5) MOK_XGEMM_CASE(6)
     MOK_XGEMM_CASE(7) MOK_XGEMM_CASE(8) MOK_XGEMM_CASE(9) MOK_XGEMM_CASE(10) MOK_XGEMM_CASE(11)
@@ -345,6 +359,22 @@ __device__ __forceinline__ void zero_rows(__nv_bfloat16* dst, int64_t ld, int r0
   }
 }
 
+// Tokens 64 sl .. 64 sl + 63 of a plain (non-SwiGLU) task into the staging tile, bf16-rounded:
+// tiles (g, s) are output columns 16 w + 8 s .. + 7 x tokens 8 g .. 8 g + 7, four per instruction
+// as (g, 0), (g, 1), (g + 1, 0), (g + 1, 1); lane 8 m + i addresses token 8 (g8 + m / 2) + i,
+// column 16 w + 8 (m % 2).
+__device__ __forceinline__ void stage_plain(uint32_t stg, const float (&acc)[128], int sl, int w, int lane) {
+#pragma unroll
+  for (int g8 = 0; g8 < 8; g8 += 2) {
+    const int g = 8 * sl + g8;
+    const int m = lane / 8;
+    stmatrix_x4_trans(stg + 2 * ((8 * (g8 + m / 2) + lane % 8) * kStageStride + 16 * w + 8 * (m % 2)),
+                      gemm::bf16x2_bits(acc[4 * g], acc[4 * g + 1]), gemm::bf16x2_bits(acc[4 * g + 2], acc[4 * g + 3]),
+                      gemm::bf16x2_bits(acc[4 * g + 4], acc[4 * g + 5]),
+                      gemm::bf16x2_bits(acc[4 * g + 6], acc[4 * g + 7]));
+  }
+}
+
 template <bool kSwiGLU, class Ring>
 __device__ __forceinline__ void store_task(const Params& p, const Ring& sm, const Task& tk, int cw,
                                            const float (&acc)[128]) {
@@ -375,19 +405,7 @@ __device__ __forceinline__ void store_task(const Params& p, const Ring& sm, cons
           stmatrix_x4_trans(stg + 2 * ((8 * (g8 + lane / 8) + lane % 8) * kStageStride + 8 * w), v[0], v[1], v[2], v[3]);
         }
       } else {
-        // Tiles (g, s): output columns 16 w + 8 s .. + 7 x tokens 8 g .. 8 g + 7, four per
-        // instruction as (g, 0), (g, 1), (g + 1, 0), (g + 1, 1); lane 8 m + i addresses token
-        // 8 (g8 + m / 2) + i, column 16 w + 8 (m % 2).
-#pragma unroll
-        for (int g8 = 0; g8 < 8; g8 += 2) {
-          const int g = 8 * sl + g8;
-          const int m = lane / 8;
-          stmatrix_x4_trans(stg + 2 * ((8 * (g8 + m / 2) + lane % 8) * kStageStride + 16 * w + 8 * (m % 2)),
-                            gemm::bf16x2_bits(acc[4 * g], acc[4 * g + 1]),
-                            gemm::bf16x2_bits(acc[4 * g + 2], acc[4 * g + 3]),
-                            gemm::bf16x2_bits(acc[4 * g + 4], acc[4 * g + 5]),
-                            gemm::bf16x2_bits(acc[4 * g + 6], acc[4 * g + 7]));
-        }
+        stage_plain(stg, acc, sl, w, lane);
       }
       if constexpr (kSwiGLU) {
         const int col0 = tk.block * (WM / 2) + cw * 32;
@@ -410,6 +428,56 @@ __device__ __forceinline__ void store_task(const Params& p, const Ring& sm, cons
     } else {
       zero_rows(p.out, p.N, tk.pad0, tk.pad1, tk.block * WM + cw * 64, 64, p.N);
     }
+  }
+}
+
+// The down projection's dgrad with the SwiGLU backward fused (kWMN tasks against fc2): the task's
+// accumulators are da = dy @ fc2[e] for output columns i (weight rows of the tile) x tokens. They
+// are rounded to bf16 as an unfused da would be, staged, and each 8-column piece of a token row is
+// turned into d_gate and d_up with the forward's pre-activations h = [gate | up] of that row:
+// out = dh = [d_gate | d_up] ([rows, 2 N]). trow (optional): out row r pairs with h row trow[r].
+template <class Ring>
+__device__ __forceinline__ void store_task_swiglu_bwd(const Params& p, const Ring& sm, const Task& tk, int cw,
+                                                      const float (&acc)[128], const __nv_bfloat16* h,
+                                                      const int* trow) {
+  const int t = threadIdx.x % 128;
+  const int w = t / 32, lane = t % 32;
+  const int bar = 2 + cw;
+  const uint32_t stg = smem_u32(sm.staging(cw));
+  const int col0 = tk.block * WM + cw * 64;
+  const int64_t ld = 2 * static_cast<int64_t>(p.N);
+#pragma unroll
+  for (int sl = 0; sl < kMaxTok / 64; ++sl) {
+    if (64 * sl >= tk.n_tok) break;
+    const int row0 = tk.row0 + 64 * sl;
+    const int n_real = tk.n_real - 64 * sl;
+    stage_plain(stg, acc, sl, w, lane);
+    warpgroup_bar_sync(bar);
+    for (int idx = t; idx < 64 * 8; idx += 128) {
+      const int c = idx / 8, col = col0 + 8 * (idx % 8);
+      if (c >= n_real || col >= p.N) continue;
+      const int r = row0 + c;
+      const int hr = trow != nullptr ? trow[r] : r;
+      __nv_bfloat16* dst = p.out + r * ld + col;
+      if (hr < 0) {  // no forward row behind it: a zero row, as the unfused kernel writes
+        st16(dst, make_uint4(0, 0, 0, 0));
+        st16(dst + p.N, make_uint4(0, 0, 0, 0));
+        continue;
+      }
+      float g[8], u[8], d[8], dg[8], du[8];
+      unpack8(ld16(h + hr * ld + col), g);
+      unpack8(ld16(h + hr * ld + p.N + col), u);
+      unpack8(ld_shared_v4(stg + 2 * (c * kStageStride + 8 * (idx % 8))), d);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) swiglu_grad(g[j], u[j], d[j], dg[j], du[j]);
+      st16(dst, pack8(dg));
+      st16(dst + p.N, pack8(du));
+    }
+    warpgroup_bar_sync(bar);
+  }
+  if (tk.pad1 > tk.pad0) {
+    zero_rows(p.out, ld, tk.pad0, tk.pad1, col0, 64, p.N);
+    zero_rows(p.out + p.N, ld, tk.pad0, tk.pad1, col0, 64, p.N);
   }
 }
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "expert_gemm.cuh"
+#include "expert_wgrad.cuh"
 #include "grouped_gemm.cuh"
 
 namespace mok {
@@ -84,10 +85,12 @@ const char* launch(const CUtensorMap& tmA, const CUtensorMap& tmB, const gemm::P
 }
 
 // The expert-major routed GEMM (expert_gemm.cuh): persistent CTAs walk the tasks round-robin.
-template <bool kSwiGLU>
+// kWMN: the backward's dgrad, weights [K, M] per expert (MN-major A); with h, the SwiGLU backward
+// is fused into its epilogue (out = dh; trow maps out rows to h rows).
+template <bool kSwiGLU, bool kWMN = false>
 __global__ void __launch_bounds__(xgemm::kThreads, 1)
     expert_gemm_kernel(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
-                       xgemm::Params p) {
+                       xgemm::Params p, const __nv_bfloat16* h, const int* trow) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   __shared__ int chunk_prefix[xgemm::kMaxSeg + 1];  // static: addressed as shared (32-bit), no spill
   const xgemm::Smem sm = xgemm::carve_smem(smem_raw);
@@ -109,7 +112,7 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
       tma_prefetch_desc(&tmX);
       uint32_t it = 0;
       for (int u = blockIdx.x; u < tasks; u += gridDim.x)
-        xgemm::produce_task<kSwiGLU>(p, &tmW, &tmX, sm, xgemm::decode(p, chunk_prefix, u), it);
+        xgemm::produce_task<kSwiGLU, false, kWMN>(p, &tmW, &tmX, sm, xgemm::decode(p, chunk_prefix, u), it);
     }
   } else {
     setmaxnreg_inc<224>();
@@ -118,11 +121,18 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
     uint32_t it = 0;
     for (int u = blockIdx.x; u < tasks; u += gridDim.x) {
       // decoded twice: keeping the task live through the main loop costs registers (spills)
-      xgemm::mma_task_any(p, sm, cw, acc, it, xgemm::decode(p, chunk_prefix, u).n_tok);
-      xgemm::store_task<kSwiGLU>(p, sm, xgemm::decode(p, chunk_prefix, u), cw, acc);
+      xgemm::mma_task_any<false, false, kWMN>(p, sm, cw, acc, it, xgemm::decode(p, chunk_prefix, u).n_tok);
+      if (kWMN && h != nullptr)
+        xgemm::store_task_swiglu_bwd(p, sm, xgemm::decode(p, chunk_prefix, u), cw, acc, h, trow);
+      else
+        xgemm::store_task<kSwiGLU>(p, sm, xgemm::decode(p, chunk_prefix, u), cw, acc);
     }
   }
 }
+
+template <class Kernel>
+const char* launch_expert_kernel(Kernel kernel, const CUtensorMap& tmW, const CUtensorMap& tmX, const xgemm::Params& p,
+                                 const void* h, const int* trow, int num_ctas, cudaStream_t stream);
 
 const char* launch_expert_gemm(bool swiglu, const void* A, int64_t a_rows, int K, const void* B, int nseg,
                                const int* seg_offsets, const int* seg_counts, void* out, void* pre_out, int N,
@@ -136,18 +146,110 @@ const char* launch_expert_gemm(bool swiglu, const void* A, int64_t a_rows, int K
     return m;
   }
   const xgemm::Params p = xgemm::make_params(seg_offsets, seg_counts, nseg, static_cast<int>(a_rows), K, N, swiglu, out, pre_out);
-  auto kernel = swiglu ? expert_gemm_kernel<true> : expert_gemm_kernel<false>;
+  return launch_expert_kernel(swiglu ? expert_gemm_kernel<true> : expert_gemm_kernel<false>, tmW, tmX, p, nullptr,
+                              nullptr, num_ctas, stream);
+}
+
+template <class Kernel>
+const char* launch_expert_kernel(Kernel kernel, const CUtensorMap& tmW, const CUtensorMap& tmX, const xgemm::Params& p,
+                                 const void* h, const int* trow, int num_ctas, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = launch_config(xgemm::kThreads, xgemm::kSmemBytes, stream, false, nullptr);
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, xgemm::kSmemBytes) != cudaSuccess)
     return "mok grouped_gemm: cannot raise the shared-memory limit of the expert-major GEMM";
   // an upper bound of the task count (the real one is on the device)
-  const int64_t max_tasks = ((int64_t)nseg + a_rows / xgemm::kMaxTok + 1) * p.n_blocks;
+  const int64_t max_tasks = ((int64_t)p.nseg + p.a_rows / xgemm::kMaxTok + 1) * p.n_blocks;
   const int ctas = num_ctas > 0 ? num_ctas : num_sms();
   cfg.gridDim = dim3(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ctas, max_tasks))));
-  return launch_ex(cfg, kernel, tmW, tmX, p);
+  return launch_ex(cfg, kernel, tmW, tmX, p, static_cast<const __nv_bfloat16*>(h), trow);
+}
+
+// Routed weight gradients (expert_wgrad.cuh): persistent CTAs walk the tasks round-robin.
+__global__ void __launch_bounds__(xgemm::kThreads, 1)
+    expert_wgrad_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
+                        xwgrad::Params p) {
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const xgemm::Smem sm = xgemm::carve_smem(smem_raw);
+  if (threadIdx.x == 32) {
+    for (int s = 0; s < xgemm::kStages; ++s) {
+      mbar_init(sm.full(s), 1);
+      mbar_init(sm.empty(s), gemm::kConsumerWarps);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+  const int tasks = xwgrad::num_tasks(p);
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    setmaxnreg_dec<56>();
+    if (threadIdx.x == 0) {
+      tma_prefetch_desc(&tmA);
+      tma_prefetch_desc(&tmB);
+      uint32_t it = 0;
+      for (int u = blockIdx.x; u < tasks; u += gridDim.x) xwgrad::produce_task(p, &tmA, &tmB, sm, xwgrad::decode(p, u), it);
+    }
+  } else {
+    setmaxnreg_inc<224>();
+    const int cw = wg - 1;
+    float acc[128];
+    uint32_t it = 0;
+    for (int u = blockIdx.x; u < tasks; u += gridDim.x) {
+      xwgrad::mma_task(p, sm, cw, xwgrad::decode(p, u), acc, it);
+      xwgrad::store_task(p, sm, xwgrad::decode(p, u), cw, acc);
+    }
+  }
 }
 
 }  // namespace
+
+const char* launch_expert_wgrad(const void* a, int64_t a_rows, int M, const int* a_offsets, const void* b,
+                                int64_t b_rows, int N, const int* b_offsets, const int* counts, int nseg, void* out,
+                                int num_ctas, cudaStream_t stream) {
+  if (nseg < 1) return "mok expert_wgrad: no segments";
+  if (M <= 0 || N <= 0 || M % 8 || N % 8) return "mok expert_wgrad: M and N must be positive multiples of 8";
+  if (a_rows > (int64_t)1 << 30 || b_rows > (int64_t)1 << 30) return "mok expert_wgrad: too many rows";
+  if (!aligned16(out)) return "mok expert_wgrad: out must start at a 16-byte aligned address (16-byte stores)";
+  CUtensorMap tmA, tmB;
+  // [rows, M] and [rows, N]: boxes of 64 rows (K) x 64 columns (MN-major operands)
+  if (const char* m = make_tmap_bf16_2d(&tmA, a, std::max<int64_t>(a_rows, 1), M, M, xgemm::BK)) return m;
+  if (const char* m = make_tmap_bf16_2d(&tmB, b, std::max<int64_t>(b_rows, 1), N, N, xgemm::BK)) return m;
+  xwgrad::Params p{};
+  p.a_offsets = a_offsets;
+  p.b_offsets = b_offsets;
+  p.counts = counts;
+  p.nseg = nseg;
+  p.M = M;
+  p.N = N;
+  p.m_blocks = (M + xwgrad::WM - 1) / xwgrad::WM;
+  p.n_blocks = (N + xwgrad::WN - 1) / xwgrad::WN;
+  p.out = static_cast<__nv_bfloat16*>(out);
+  cudaLaunchConfig_t cfg = launch_config(xgemm::kThreads, xgemm::kSmemBytes, stream, false, nullptr);
+  if (cudaFuncSetAttribute(expert_wgrad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, xgemm::kSmemBytes) !=
+      cudaSuccess)
+    return "mok expert_wgrad: cannot raise the shared-memory limit";
+  const int64_t tasks = (int64_t)nseg * p.m_blocks * p.n_blocks;
+  const int ctas = num_ctas > 0 ? num_ctas : num_sms();
+  cfg.gridDim = dim3(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ctas, tasks))));
+  return launch_ex(cfg, expert_wgrad_kernel, tmA, tmB, p);
+}
+
+const char* launch_expert_dgrad(const void* dy, int64_t rows, int K, const void* w, int M, int nseg,
+                                const int* seg_offsets, const int* seg_counts, void* out, const void* h,
+                                const int* trow, int num_ctas, cudaStream_t stream) {
+  if (rows <= 0 || M <= 0) return nullptr;
+  if (K <= 0 || K % 8 || M % 8) return "mok expert_dgrad: K and M must be positive multiples of 8";
+  if (rows > (int64_t)1 << 30) return "mok expert_dgrad: too many rows";
+  if (nseg < 1 || nseg > xgemm::kMaxSeg) return "mok expert_dgrad: 1 to 512 segments";
+  if (seg_offsets == nullptr || seg_counts == nullptr) return "mok expert_dgrad: needs segment offsets and counts";
+  if (!aligned16(out) || (h != nullptr && !aligned16(h)))
+    return "mok expert_dgrad: out and h must start at a 16-byte aligned address (16-byte stores)";
+  CUtensorMap tmW, tmX;
+  if (const char* m = make_tmap_bf16_2d(&tmX, dy, rows, K, K, xgemm::kXBox)) return m;
+  // [nseg * K rows, M columns]: boxes of 64 K rows x 64 M columns (MN-major A)
+  if (const char* m = make_tmap_bf16_2d(&tmW, w, (uint64_t)nseg * K, M, M, xgemm::WM / 2)) return m;
+  const xgemm::Params p = xgemm::make_params(seg_offsets, seg_counts, nseg, static_cast<int>(rows), K, M, false, out,
+                                             nullptr);
+  return launch_expert_kernel(expert_gemm_kernel<false, true>, tmW, tmX, p, h, trow, num_ctas, stream);
+}
 
 const char* launch_grouped_gemm(bool swiglu, const void* A, int64_t a_rows, int K, const void* B,
                                 int b_rows_per_seg, const int* seg_offsets, const int* seg_counts, int nseg,

@@ -126,6 +126,22 @@ const char* launch_bwd_pull(const int* row_src_rank, const int* row_src_slot, co
                             const void* y_routed, void* dy, int H, int k, const int* trow, int num_ctas,
                             cudaStream_t stream);
 
+// The routed dgrad, expert-major: out[r] = dy[r] @ w[e] ([rows, K] x [K, M]) for the rows r of
+// segment e (real rows from seg_counts; a segment's other rows get zeros). With h ([rows', 2 M]
+// = [gate | up]): out = [d_gate | d_up] ([rows, 2 M]) of da = bf16(dy @ w[e]), the SwiGLU backward
+// fused; out row r pairs with h row trow[r] (trow may be null: the same row; < 0: zeros).
+const char* launch_expert_dgrad(const void* dy, int64_t rows, int K, const void* w, int M, int nseg,
+                                const int* seg_offsets, const int* seg_counts, void* out, const void* h,
+                                const int* trow, int num_ctas, cudaStream_t stream);
+
+// Routed weight gradients, expert-major: out[e] = a[rows of e]^T @ b[rows of e] ([M, N] per
+// expert, fp32 accumulation over the rows in ascending order, one bf16 rounding). Expert e's rows
+// start at a_offsets[e] in a ([a_rows, M]) and b_offsets[e] in b ([b_rows, N]); counts[e] real
+// rows, rounded up to 16 (rows between must be zero in a or b); experts without rows get zeros.
+const char* launch_expert_wgrad(const void* a, int64_t a_rows, int M, const int* a_offsets, const void* b,
+                                int64_t b_rows, int N, const int* b_offsets, const int* counts, int nseg, void* out,
+                                int num_ctas, cudaStream_t stream);
+
 // dh [rows, 2I] = SwiGLU backward of h [rows, 2I] ([gate | up]) and da [rows, I]; rows =
 // min(seg_offsets[nseg], row_cap) (device value) or row_cap when seg_offsets is null. Rows past
 // that are not touched. trow (optional, needs seg_offsets = the tight offsets): da and dh are tight,

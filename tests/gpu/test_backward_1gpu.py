@@ -13,7 +13,7 @@ from megatron_mok.schedule import build_schedule_reference
 from ._bwd import (assert_bitwise, backward_case, check_backward_bitwise_repeats, check_backward_graph_equals_eager,
                    check_backward_repeats, check_close, check_main_grads_accumulate, forward_backward, grads_list,
                    poison_all, reference_grads)
-from ._util import SHAPES, gpu_marks, make_routing, rel_err, schedules_equal
+from ._util import SHAPES, bits, gpu_marks, make_routing, rel_err, schedules_equal
 from ._util import kernel_path_module as _kp
 
 pytestmark = gpu_marks()
@@ -117,6 +117,158 @@ def test_swiglu_backward_tight_rows():
     assert torch.isnan(dh[144:].float()).all()
 
 
+def _dgrad_case(K, M, counts, seed):
+    """dy [cap, K] in a tight layout (segments padded to 16 rows, zero padding rows, 64 rows past the
+    last segment), w [nseg, K, M], offsets / counts on the device."""
+    gen = torch.Generator().manual_seed(seed)
+    offs = [0]
+    for c in counts:
+        offs.append(offs[-1] + (c + 15) // 16 * 16)
+    cap = offs[-1] + 64
+    dy = torch.randn(cap, K, generator=gen).bfloat16()
+    for e, c in enumerate(counts):
+        dy[offs[e] + c: offs[e + 1]] = 0
+    w = (torch.randn(len(counts), K, M, generator=gen) / K**0.5).bfloat16()
+    return (dy.to(DEV), w.to(DEV), torch.tensor(offs, dtype=torch.int32, device=DEV),
+            torch.tensor(counts, dtype=torch.int32, device=DEV), offs, gen)
+
+
+DGRAD_COUNTS = [130, 0, 1, 255, 256, 257, 700, 17, 48, 200, 15]
+
+
+@pytest.mark.parametrize("K,M", [(256, 256), (384, 192), (136, 40), (1024, 520)])
+def test_expert_dgrad_matches_matmul(K, M):
+    """out = dy @ w[e] on the expert-major GEMM with MN-major weights: experts with 0, 1, 255-257
+    and 700 rows (several token chunks), K and M not multiples of the tile; real rows against fp32
+    matmul, padding rows +0, rows past the last segment untouched, bits independent of the CTA count."""
+    from megatron_mok import ops
+
+    dy, w, seg, cnt, offs, _ = _dgrad_case(K, M, DGRAD_COUNTS, K + 3 * M)
+    first = None
+    for ctas in (0, 1, 3, 37):
+        out = torch.full((dy.shape[0], M), float("nan"), dtype=torch.bfloat16, device=DEV)
+        ops.expert_dgrad(dy, w, seg, cnt, out, num_ctas=ctas)
+        if first is None:
+            first = out
+        else:
+            assert torch.equal(bits(out), bits(first)), f"bits depend on the CTA count ({ctas})"
+    out = first
+    for e, n in enumerate(DGRAD_COUNTS):
+        lo, end = offs[e], offs[e + 1]
+        if n:
+            ref = dy[lo:lo + n].double() @ w[e].double()
+            assert rel_err(out[lo:lo + n], ref) < 1e-2, (e, rel_err(out[lo:lo + n], ref))
+        assert bool((out[lo + n:end] == 0).all()), f"padding rows of expert {e} are not +0"
+    assert torch.isnan(out[offs[-1]:].float()).all(), "rows past the last segment were written"
+
+
+@pytest.mark.parametrize("K,M", [(256, 128), (520, 72)])
+def test_expert_dgrad_fuses_swiglu_backward(K, M):
+    """With h and trow the epilogue writes dh = [d_gate | d_up]: bitwise what the unfused pair
+    (expert_dgrad's da, then swiglu_backward) gives, within 1e-2 of the fp64 autograd reference;
+    tight rows without a forward row (trow < 0) and padding rows are zeros."""
+    from megatron_mok import ops
+
+    dy, w, seg, cnt, offs, gen = _dgrad_case(K, M, DGRAD_COUNTS, K + M)
+    cap = dy.shape[0]
+    h = (3 * torch.randn(cap, 2 * M, generator=gen)).bfloat16().to(DEV)  # the forward's rows
+    trow = torch.randperm(cap, generator=gen).to(torch.int32)
+    for e, n in enumerate(DGRAD_COUNTS):
+        trow[offs[e] + n: offs[e + 1]] = -1
+    trow[offs[3] + 5] = -1  # a real row without a forward row: zeros, as swiglu_backward writes
+    trow = trow.to(DEV)
+    dh = torch.full((cap, 2 * M), float("nan"), dtype=torch.bfloat16, device=DEV)
+    ops.expert_dgrad(dy, w, seg, cnt, dh, h=h, trow=trow)
+    da = torch.empty((cap, M), dtype=torch.bfloat16, device=DEV)
+    ops.expert_dgrad(dy, w, seg, cnt, da)
+    unfused = torch.full_like(dh, float("nan"))
+    ops.swiglu_backward(h, da, unfused, seg, trow=trow)
+    end = offs[-1]
+    assert torch.equal(bits(dh[:end]), bits(unfused[:end])), "fused SwiGLU backward differs from the unfused pair"
+    assert torch.isnan(dh[end:].float()).all(), "rows past the last segment were written"
+    keep = trow[:end] >= 0
+    hf = h[trow[:end].clamp(min=0).long()].double().requires_grad_(True)
+    gate, up = hf.chunk(2, dim=1)
+    da_ref = torch.cat([dy[offs[e]:offs[e + 1]].double() @ w[e].double() for e in range(len(DGRAD_COUNTS))])
+    (torch.nn.functional.silu(gate) * up).backward(da_ref)
+    assert rel_err(dh[:end][keep], hf.grad[keep]) < 1e-2
+    assert bool((dh[:end][~keep] == 0).all())
+
+
+def test_expert_dgrad_rejects_bad_shapes():
+    """Bad shapes raise errors that name them (messages with numbers: formatted without iostreams,
+    which crash in the GPU machines' statically linked libstdc++)."""
+    from megatron_mok import ops
+
+    dy, w, seg, cnt, _, _ = _dgrad_case(64, 32, [3, 5], 1)
+    out = torch.empty((dy.shape[0], 32), dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(RuntimeError, match=r"w must be \[nseg, K, M\]"):
+        ops.expert_dgrad(dy, w.transpose(1, 2).contiguous(), seg, cnt, out)
+    with pytest.raises(RuntimeError, match="out must be"):
+        ops.expert_dgrad(dy, w, seg, cnt, out, h=torch.empty((dy.shape[0], 64), dtype=torch.bfloat16, device=DEV))
+    with pytest.raises(RuntimeError, match="seg_offsets"):
+        ops.expert_dgrad(dy, w, seg[:2], cnt, out)
+    h = torch.zeros((dy.shape[0], 64), dtype=torch.bfloat16, device=DEV)
+    dh = torch.empty((dy.shape[0], 64), dtype=torch.bfloat16, device=DEV)
+    trow = torch.zeros((dy.shape[0] - 1,), dtype=torch.int32, device=DEV)
+    with pytest.raises(RuntimeError, match=f"trow must have {dy.shape[0]} entries"):
+        ops.expert_dgrad(dy, w, seg, cnt, dh, h=h, trow=trow)
+
+
+@pytest.mark.parametrize("M,N", [(128, 256), (200, 264), (72, 520)])
+def test_expert_wgrad_matches_matmul(M, N):
+    """out[e] = a[rows of e]^T @ b[rows of e] with a in a tight layout (16-row segments) and b in a
+    padded one (128-row segments): experts with 0, 1, 15, 17, 255-257 and 700 rows, M and N off the
+    tile; against fp64, empty experts exactly zero, NaN rows past an expert's 16-row bound never
+    read (a's tail past the last segment, b's padding), bits independent of the CTA count."""
+    from megatron_mok import ops
+
+    counts = [130, 0, 1, 15, 17, 255, 256, 257, 700, 48, 0]
+    gen = torch.Generator().manual_seed(M * N)
+    aoffs, boffs = [0], [0]
+    for c in counts:
+        aoffs.append(aoffs[-1] + (c + 15) // 16 * 16)
+        boffs.append(boffs[-1] + (c + 127) // 128 * 128)
+    a = torch.full((aoffs[-1] + 48, M), float("nan"))  # NaN past the last segment
+    b = torch.full((boffs[-1] + 64, N), float("nan"))
+    for e, c in enumerate(counts):
+        a[aoffs[e]:aoffs[e + 1]] = 0
+        a[aoffs[e]:aoffs[e] + c] = torch.randn(c, M, generator=gen)
+        b[boffs[e]:boffs[e] + (c + 15) // 16 * 16] = 0  # zero up to the 16-row bound, NaN after
+        b[boffs[e]:boffs[e] + c] = torch.randn(c, N, generator=gen)
+    a, b = a.bfloat16().to(DEV), b.bfloat16().to(DEV)
+    ao = torch.tensor(aoffs, dtype=torch.int32, device=DEV)
+    bo = torch.tensor(boffs, dtype=torch.int32, device=DEV)
+    cnt = torch.tensor(counts, dtype=torch.int32, device=DEV)
+    first = None
+    for ctas in (0, 1, 5, 77):
+        out = torch.full((len(counts), M, N), float("nan"), dtype=torch.bfloat16, device=DEV)
+        ops.expert_wgrad(a, ao, b, bo, cnt, out, num_ctas=ctas)
+        if first is None:
+            first = out
+        else:
+            assert torch.equal(bits(out), bits(first)), f"bits depend on the CTA count ({ctas})"
+    for e, c in enumerate(counts):
+        if c == 0:
+            assert bool((first[e] == 0).all()), f"expert {e} without rows: not exact zeros"
+            continue
+        ref = a[aoffs[e]:aoffs[e] + c].double().t() @ b[boffs[e]:boffs[e] + c].double()
+        assert rel_err(first[e], ref) < 1e-2, (e, rel_err(first[e], ref))
+
+
+def test_expert_wgrad_rejects_bad_shapes():
+    from megatron_mok import ops
+
+    a = torch.zeros((32, 64), dtype=torch.bfloat16, device=DEV)
+    b = torch.zeros((32, 48), dtype=torch.bfloat16, device=DEV)
+    offs = torch.tensor([0, 16, 32], dtype=torch.int32, device=DEV)
+    cnt = torch.tensor([3, 5], dtype=torch.int32, device=DEV)
+    with pytest.raises(RuntimeError, match="out must be"):
+        ops.expert_wgrad(a, offs, b, offs, cnt, torch.empty((2, 48, 64), dtype=torch.bfloat16, device=DEV))
+    with pytest.raises(RuntimeError, match="offsets"):
+        ops.expert_wgrad(a, offs[:2], b, offs, cnt, torch.empty((2, 64, 48), dtype=torch.bfloat16, device=DEV))
+
+
 def test_zero_empty_segments():
     from megatron_mok import ops
 
@@ -194,6 +346,24 @@ def test_forward_keeps_gate_up_preactivations(kind):
             assert rel_err(h[lo:lo + n], xr[lo:lo + n].float() @ fc1[e].float().t()) < 1e-2, e
         assert bool((h[lo + n:end] == 0).all()), f"padding rows of expert {e} are not zero"
     ws.check_errors(blocking=True)
+
+
+@pytest.mark.parametrize("kind", ["skewed", "one_expert", "half_empty"])
+def test_backward_gemm_paths_agree(kind, monkeypatch):
+    """The routed backward GEMMs on mok's expert-major kernels (default, padded rows) and on
+    torch._grouped_mm (MOK_BWD_GEMM=torch, tight rows and gathers) give the same gradients up to
+    the GEMMs' summation order; a bad MOK_BWD_GEMM value is named."""
+    shape = (517, 512, 320, 256, 32, 8)
+    cfg, ws, top, w, g = _case(shape, kind, 41)
+    got = {}
+    for impl in ("torch", "mok"):
+        monkeypatch.setenv("MOK_BWD_GEMM", impl)
+        _, _, got[impl] = forward_backward(cfg, ws, top, w, g)
+    torch.cuda.synchronize()
+    check_close(got["mok"], got["torch"], tol=1e-2)
+    monkeypatch.setenv("MOK_BWD_GEMM", "cutlass")
+    with pytest.raises(ValueError, match="MOK_BWD_GEMM"):
+        forward_backward(cfg, ws, top, w, g)
 
 
 def test_backward_bitwise_20_repeats_and_knobs():

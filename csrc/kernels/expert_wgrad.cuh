@@ -1,0 +1,188 @@
+// Weight gradients of the routed experts on the expert-major ring (expert_gemm.cuh's stages and
+// staging): dW[e] = A_e^T @ B_e, reduced over the expert's token rows, for
+//   dfc2[e] [H, I] = dy[rows of e]^T @ act[rows of e]     (A = dy, B = act)
+//   dfc1[e] [2I, H] = dh[rows of e]^T @ x_routed[rows of e] (A = dh, B = x_routed).
+// Both operands are token-row-major, so the MMA's K is the token axis and both are MN-major: a
+// stage holds A as two [64 rows][64 M] boxes (one per consumer warpgroup) and B as four
+// [64 rows][64 N] boxes, read by wgmma with both transpose bits.
+//
+// A task is (expert e, 128 rows of dW[e], 256 columns of dW[e]); its K loop runs over the expert's
+// rows in ascending order and one task owns each output element: the bits do not depend on the
+// grid. A and B may use different row layouts (the backward's tight dy/dh, the forward's padded
+// act/x_routed): a_offsets / b_offsets give each expert's first row in each. Only the first
+// ceil16(rows) rows enter the MMA (the last stage issues only its 16-row groups inside them), and
+// rows between the real count and that bound must be zero in A or B (padding rows).
+// Experts without rows get exact zeros.
+#pragma once
+
+#include "expert_gemm.cuh"
+
+namespace mok {
+namespace xwgrad {
+
+constexpr int WM = xgemm::WM;  // dW rows per task (64 per consumer warpgroup)
+constexpr int WN = 256;        // dW columns per task (wgmma N)
+constexpr int BK = xgemm::BK;  // token rows per stage
+constexpr int kStages = xgemm::kStages;
+
+struct Params {
+  const int* a_offsets;  // [nseg + 1]: expert e's first row in A (tight or padded layout)
+  const int* b_offsets;  // [nseg + 1]: expert e's first row in B
+  const int* counts;     // [nseg]: real rows of expert e
+  int nseg;
+  int M, N;              // dW[e] is [M, N]
+  int m_blocks, n_blocks;
+  __nv_bfloat16* out;    // [nseg, M, N]
+};
+
+// Rows of expert e that enter the MMA: the real ones rounded up to 16, inside both segments.
+__device__ __forceinline__ int k_rows(const Params& p, int e) {
+  const int rows = max(0, min(p.counts[e], min(p.a_offsets[e + 1] - p.a_offsets[e], p.b_offsets[e + 1] - p.b_offsets[e])));
+  return (rows + 15) / 16 * 16;
+}
+
+struct Task {
+  int seg, mb, nb;
+};
+
+__device__ __forceinline__ int num_tasks(const Params& p) { return p.nseg * p.m_blocks * p.n_blocks; }
+
+// Expert-major, then 128-row block, then 256-column block (an expert's A and B stay in L2).
+__device__ __forceinline__ Task decode(const Params& p, int u) {
+  const int per = p.m_blocks * p.n_blocks;
+  return Task{u / per, (u % per) / p.n_blocks, u % p.n_blocks};
+}
+
+template <class Ring>
+__device__ __forceinline__ void produce_task(const Params& p, const CUtensorMap* tmA, const CUtensorMap* tmB,
+                                             const Ring& sm, const Task& t, uint32_t& it) {
+  const int nk = (k_rows(p, t.seg) + BK - 1) / BK;
+  const int a0 = p.a_offsets[t.seg], b0 = p.b_offsets[t.seg];
+  for (int kb = 0; kb < nk; ++kb, ++it) {
+    const int s = it % kStages;
+    gemm::ring_wait<false>(sm.empty(s), ((it / kStages) & 1) ^ 1, nullptr);
+    mbar_arrive_expect_tx(sm.full(s), xgemm::kWBytes + xgemm::kXBytes);
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      tma_load_2d(sm.w(s) + i * (xgemm::kWBytes / 2), tmA, sm.full(s), t.mb * WM + 64 * i, a0 + kb * BK);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      tma_load_2d(sm.x(s) + i * (xgemm::kXBytes / 4), tmB, sm.full(s), t.nb * WN + 64 * i, b0 + kb * BK);
+  }
+}
+
+template <size_t... Is>
+__device__ __forceinline__ void wgmma_mn_mn(float (&d)[128], uint64_t da, uint64_t db, bool accumulate,
+                                            std::index_sequence<Is...>) {
+  using Atom = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::MN, cute::SM90::GMMA::Major::MN>;
+  Atom::fma(da, db, d[Is]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+
+// The first G 16-row groups of stage s (accumulating onto acc unless this is the task's first).
+// The fence sits right before the wgmmas: no branch between them (ptxas would fence each, C7519).
+template <int G, class Ring>
+__device__ __forceinline__ void issue_groups(const Ring& sm, int s, int cw, float (&acc)[128], bool accumulate) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < G; ++kk) {
+    const uint64_t da = wgmma_desc_sw128_mn(sm.w(s) + cw * (xgemm::kWBytes / 2) + kk * 16 * 128);
+    const uint64_t db = wgmma_desc_sw128_mn(sm.x(s) + kk * 16 * 128);
+    wgmma_mn_mn(acc, da, db, accumulate || kk > 0, std::make_index_sequence<128>{});
+  }
+}
+
+// A task's last stage with G < 4 groups, completed before the branches join.
+template <int G, class Ring>
+__device__ __forceinline__ void tail_stage(const Ring& sm, int s, int cw, float (&acc)[128], bool accumulate) {
+  issue_groups<G>(sm, s, cw, acc, accumulate);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs(acc);
+}
+
+// Consumer warpgroup cw: dW rows 64 cw .. 64 cw + 63 of the task against its 256 columns.
+template <class Ring>
+__device__ __forceinline__ void mma_task(const Params& p, const Ring& sm, int cw, const Task& t, float (&acc)[128],
+                                         uint32_t& it) {
+  const int kr = k_rows(p, t.seg);  // 0 for an expert without rows: store_task writes zeros
+  const int full = kr / BK, tail = (kr % BK) / 16;
+  int prev = -1;
+  for (int kb = 0; kb < full; ++kb, ++it) {
+    const int s = it % kStages;
+    gemm::ring_wait<false>(sm.full(s), (it / kStages) & 1, nullptr);
+    issue_groups<4>(sm, s, cw, acc, kb > 0);
+    wgmma_commit();
+    if (prev >= 0) {
+      wgmma_wait<1>();
+      gemm::release_stage<false>(sm.empty(prev));
+    }
+    prev = s;
+  }
+  wgmma_wait<0>();
+  if (prev >= 0) gemm::release_stage<false>(sm.empty(prev));
+  if (tail > 0) {
+    // the last stage holds 1-3 16-row groups of the expert: one straight-line sequence per count,
+    // with nothing in flight across the branch
+    const int s = it % kStages;
+    gemm::ring_wait<false>(sm.full(s), (it / kStages) & 1, nullptr);
+    if (tail == 1) tail_stage<1>(sm, s, cw, acc, full > 0);
+    else if (tail == 2) tail_stage<2>(sm, s, cw, acc, full > 0);
+    else tail_stage<3>(sm, s, cw, acc, full > 0);
+    gemm::release_stage<false>(sm.empty(s));
+    ++it;
+  }
+  fence_regs(acc);
+}
+
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+
+// The accumulators (acc[4 g + 2 s + h]: dW row 16 w + l / 4 + 8 s, column 8 g + 2 q + h) in bf16,
+// 64 columns at a time: stmatrix puts the warp's 8 x 8 tiles (g, s) row-major into the staging
+// tile [64 rows][kStageStride], then 16-byte row pieces go out.
+template <class Ring>
+__device__ __forceinline__ void store_task(const Params& p, const Ring& sm, const Task& t, int cw,
+                                           const float (&acc)[128]) {
+  const int tid = threadIdx.x % 128;
+  const int w = tid / 32, lane = tid % 32;
+  const int bar = 2 + cw;
+  const uint32_t stg = smem_u32(sm.staging(cw));
+  const int row0 = t.mb * WM + cw * 64;
+  __nv_bfloat16* dst = p.out + (static_cast<int64_t>(t.seg) * p.M + row0) * p.N;
+  if (k_rows(p, t.seg) == 0) {  // an expert without rows: exact zeros, the accumulators unread
+    for (int idx = tid; idx < 64 * WN / 8; idx += 128) {
+      const int r = idx / (WN / 8), col = t.nb * WN + 8 * (idx % (WN / 8));
+      if (row0 + r < p.M && col < p.N) st16(dst + static_cast<int64_t>(r) * p.N + col, make_uint4(0, 0, 0, 0));
+    }
+    return;
+  }
+#pragma unroll
+  for (int sl = 0; sl < WN / 64; ++sl) {
+    // tiles (g, 0), (g, 1), (g + 1, 0), (g + 1, 1) per instruction; lane 8 m + i addresses row
+    // 16 w + 8 (m % 2) + i, columns 8 (g8 + m / 2) .. + 7 of the slice
+#pragma unroll
+    for (int g8 = 0; g8 < 8; g8 += 2) {
+      const int g = 8 * sl + g8;
+      const int m = lane / 8;
+      stmatrix_x4(stg + 2 * ((16 * w + 8 * (m % 2) + lane % 8) * xgemm::kStageStride + 8 * (g8 + m / 2)),
+                  gemm::bf16x2_bits(acc[4 * g], acc[4 * g + 1]), gemm::bf16x2_bits(acc[4 * g + 2], acc[4 * g + 3]),
+                  gemm::bf16x2_bits(acc[4 * g + 4], acc[4 * g + 5]),
+                  gemm::bf16x2_bits(acc[4 * g + 6], acc[4 * g + 7]));
+    }
+    warpgroup_bar_sync(bar);
+    const int col0 = t.nb * WN + 64 * sl;
+    for (int idx = tid; idx < 64 * 8; idx += 128) {
+      const int r = idx / 8, col = col0 + 8 * (idx % 8);
+      if (row0 + r < p.M && col < p.N)
+        st16(dst + static_cast<int64_t>(r) * p.N + col,
+             xgemm::ld_shared_v4(stg + 2 * (r * xgemm::kStageStride + 8 * (idx % 8))));
+    }
+    warpgroup_bar_sync(bar);
+  }
+}
+
+}  // namespace xwgrad
+}  // namespace mok
