@@ -1,5 +1,4 @@
-// Weight gradients of the routed experts on the expert-major ring (expert_gemm.cuh's stages and
-// staging): dW[e] = A_e^T @ B_e, reduced over the expert's token rows, for
+// Weight gradients of the routed experts on expert_gemm.cuh's ring protocol: dW[e] = A_e^T @ B_e, reduced over the expert's token rows, for
 //   dfc2[e] [H, I] = dy[rows of e]^T @ act[rows of e]     (A = dy, B = act)
 //   dfc1[e] [2I, H] = dh[rows of e]^T @ x_routed[rows of e] (A = dh, B = x_routed).
 // Both operands are token-row-major, so the MMA's K is the token axis and both are MN-major: a
@@ -13,6 +12,12 @@
 // ceil16(rows) rows enter the MMA (the last stage issues only its 16-row groups inside them), and
 // rows between the real count and that bound must be zero in A or B (padding rows).
 // Experts without rows get exact zeros.
+//
+// Epilogue (kTmaStore, the default): a task's 128 x 256 bf16 tile is 64 KB, which global stores
+// from the consumers would drain at HBM speed before the next task's MMA could start. Instead each
+// warpgroup stmatrix-es its 64 x 256 half into four swizzled [64][64] boxes and one thread hands
+// them to TMA stores; the warpgroup goes on to the next task and waits only before it overwrites
+// the boxes (until TMA has read them). That costs shared memory: the ring has 3 stages, not 4.
 #pragma once
 
 #include "expert_gemm.cuh"
@@ -23,7 +28,33 @@ namespace xwgrad {
 constexpr int WM = xgemm::WM;  // dW rows per task (64 per consumer warpgroup)
 constexpr int WN = 256;        // dW columns per task (wgmma N)
 constexpr int BK = xgemm::BK;  // token rows per stage
-constexpr int kStages = xgemm::kStages;
+constexpr int kABytes = xgemm::kWBytes, kBBytes = xgemm::kXBytes;  // 16 + 32 KB per stage
+constexpr int kOutBytesPerWG = 64 * WN * 2;                          // 32 KB: four [64][64] boxes
+
+// Shared memory: the ring (kStages of A and B), the TMA-store boxes (kTmaStore) or expert_gemm's
+// padded staging tiles, the ring barriers; the base is 1024-aligned.
+template <bool kTmaStore>
+struct Smem {
+  static constexpr int kStages = kTmaStore ? 3 : xgemm::kStages;
+  static constexpr int kOffOut = kStages * (kABytes + kBBytes);
+  static constexpr int kOutBytes = kTmaStore ? 2 * kOutBytesPerWG : 2 * xgemm::kStageBytesPerWG;
+  static constexpr int kOffBarriers = kOffOut + kOutBytes;
+  static constexpr int kBytes = kOffBarriers + 2 * kStages * 8 + 1024 /* alignment */;
+  uint8_t* base;
+  __device__ __forceinline__ uint8_t* w(int s) const { return base + s * kABytes; }
+  __device__ __forceinline__ uint8_t* x(int s) const { return base + kStages * kABytes + s * kBBytes; }
+  __device__ __forceinline__ uint8_t* out(int cw) const {
+    return base + kOffOut + cw * (kTmaStore ? kOutBytesPerWG : xgemm::kStageBytesPerWG);
+  }
+  __device__ __forceinline__ uint64_t* full(int s) const { return reinterpret_cast<uint64_t*>(base + kOffBarriers) + s; }
+  __device__ __forceinline__ uint64_t* empty(int s) const { return full(kStages + s); }
+};
+static_assert(Smem<true>::kBytes <= 227 * 1024 && Smem<false>::kBytes <= 227 * 1024, "shared memory");
+
+template <bool kTmaStore>
+__device__ __forceinline__ Smem<kTmaStore> carve_smem(uint8_t* raw) {
+  return Smem<kTmaStore>{reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023))};
+}
 
 struct Params {
   const int* a_offsets;  // [nseg + 1]: expert e's first row in A (tight or padded layout)
@@ -56,18 +87,19 @@ __device__ __forceinline__ Task decode(const Params& p, int u) {
 template <class Ring>
 __device__ __forceinline__ void produce_task(const Params& p, const CUtensorMap* tmA, const CUtensorMap* tmB,
                                              const Ring& sm, const Task& t, uint32_t& it) {
+  constexpr int kStages = Ring::kStages;
   const int nk = (k_rows(p, t.seg) + BK - 1) / BK;
   const int a0 = p.a_offsets[t.seg], b0 = p.b_offsets[t.seg];
   for (int kb = 0; kb < nk; ++kb, ++it) {
     const int s = it % kStages;
     gemm::ring_wait<false>(sm.empty(s), ((it / kStages) & 1) ^ 1, nullptr);
-    mbar_arrive_expect_tx(sm.full(s), xgemm::kWBytes + xgemm::kXBytes);
+    mbar_arrive_expect_tx(sm.full(s), kABytes + kBBytes);
 #pragma unroll
     for (int i = 0; i < 2; ++i)
-      tma_load_2d(sm.w(s) + i * (xgemm::kWBytes / 2), tmA, sm.full(s), t.mb * WM + 64 * i, a0 + kb * BK);
+      tma_load_2d(sm.w(s) + i * (kABytes / 2), tmA, sm.full(s), t.mb * WM + 64 * i, a0 + kb * BK);
 #pragma unroll
     for (int i = 0; i < 4; ++i)
-      tma_load_2d(sm.x(s) + i * (xgemm::kXBytes / 4), tmB, sm.full(s), t.nb * WN + 64 * i, b0 + kb * BK);
+      tma_load_2d(sm.x(s) + i * (kBBytes / 4), tmB, sm.full(s), t.nb * WN + 64 * i, b0 + kb * BK);
   }
 }
 
@@ -85,7 +117,7 @@ __device__ __forceinline__ void issue_groups(const Ring& sm, int s, int cw, floa
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < G; ++kk) {
-    const uint64_t da = wgmma_desc_sw128_mn(sm.w(s) + cw * (xgemm::kWBytes / 2) + kk * 16 * 128);
+    const uint64_t da = wgmma_desc_sw128_mn(sm.w(s) + cw * (kABytes / 2) + kk * 16 * 128);
     const uint64_t db = wgmma_desc_sw128_mn(sm.x(s) + kk * 16 * 128);
     wgmma_mn_mn(acc, da, db, accumulate || kk > 0, std::make_index_sequence<128>{});
   }
@@ -104,6 +136,7 @@ __device__ __forceinline__ void tail_stage(const Ring& sm, int s, int cw, float 
 template <class Ring>
 __device__ __forceinline__ void mma_task(const Params& p, const Ring& sm, int cw, const Task& t, float (&acc)[128],
                                          uint32_t& it) {
+  constexpr int kStages = Ring::kStages;
   const int kr = k_rows(p, t.seg);  // 0 for an expert without rows: store_task writes zeros
   const int full = kr / BK, tail = (kr % BK) / 16;
   int prev = -1;
@@ -140,16 +173,56 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t
                : "memory");
 }
 
-// The accumulators (acc[4 g + 2 s + h]: dW row 16 w + l / 4 + 8 s, column 8 g + 2 q + h) in bf16,
-// 64 columns at a time: stmatrix puts the warp's 8 x 8 tiles (g, s) row-major into the staging
-// tile [64 rows][kStageStride], then 16-byte row pieces go out.
+// Accumulator layout: acc[4 g + 2 s + h] holds dW row 16 w + l / 4 + 8 s, column 8 g + 2 q + h.
+
+// kTmaStore: the warpgroup's 64 x 256 half as four swizzled [64 rows][64 columns] boxes (128-byte
+// rows, 16-byte chunk c of row r at c ^ (r % 8), the TMA SWIZZLE_128B layout), then TMA stores into
+// out viewed as [nseg][M][N] (rows past M and columns past N are not written).
 template <class Ring>
-__device__ __forceinline__ void store_task(const Params& p, const Ring& sm, const Task& t, int cw,
-                                           const float (&acc)[128]) {
+__device__ __forceinline__ void store_task_tma(const Params& p, const Ring& sm, const CUtensorMap* tmOut,
+                                               const Task& t, int cw, const float (&acc)[128]) {
   const int tid = threadIdx.x % 128;
   const int w = tid / 32, lane = tid % 32;
   const int bar = 2 + cw;
-  const uint32_t stg = smem_u32(sm.staging(cw));
+  const uint32_t boxes = smem_u32(sm.out(cw));
+  if (tid == 0) bulk_wait_read_all();  // the previous task's boxes have been read
+  warpgroup_bar_sync(bar);
+  if (k_rows(p, t.seg) == 0) {  // an expert without rows: exact zeros, the accumulators unread
+    for (int i = tid; i < kOutBytesPerWG / 16; i += 128)
+      asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};" ::"r"(boxes + 16 * i), "r"(0) : "memory");
+  } else {
+    // tiles (g, 0), (g, 1), (g + 1, 0), (g + 1, 1) per instruction; lane 8 m + i addresses row
+    // 16 w + 8 (m % 2) + i, 16-byte chunk g + m / 2 of the 256 columns (box (g + m / 2) / 8)
+#pragma unroll
+    for (int g = 0; g < WN / 8; g += 2) {
+      const int m = lane / 8;
+      const int row = 16 * w + 8 * (m % 2) + lane % 8;
+      const int chunk = g + m / 2;
+      stmatrix_x4(boxes + (chunk / 8) * (64 * 128) + row * 128 + (((chunk % 8) ^ (row % 8)) << 4),
+                  gemm::bf16x2_bits(acc[4 * g], acc[4 * g + 1]), gemm::bf16x2_bits(acc[4 * g + 2], acc[4 * g + 3]),
+                  gemm::bf16x2_bits(acc[4 * g + 4], acc[4 * g + 5]),
+                  gemm::bf16x2_bits(acc[4 * g + 6], acc[4 * g + 7]));
+    }
+  }
+  fence_proxy_async_shared();
+  warpgroup_bar_sync(bar);
+  if (tid == 0) {
+#pragma unroll
+    for (int i = 0; i < WN / 64; ++i)
+      tma_store_3d(tmOut, sm.out(cw) + i * (64 * 128), t.nb * WN + 64 * i, t.mb * WM + cw * 64, t.seg);
+    bulk_commit_group();
+  }
+}
+
+// Without TMA stores: 64 columns at a time through expert_gemm's padded staging tile
+// [64 rows][kStageStride], then 16-byte row pieces from the consumers.
+template <class Ring>
+__device__ __forceinline__ void store_task_direct(const Params& p, const Ring& sm, const Task& t, int cw,
+                                                  const float (&acc)[128]) {
+  const int tid = threadIdx.x % 128;
+  const int w = tid / 32, lane = tid % 32;
+  const int bar = 2 + cw;
+  const uint32_t stg = smem_u32(sm.out(cw));
   const int row0 = t.mb * WM + cw * 64;
   __nv_bfloat16* dst = p.out + (static_cast<int64_t>(t.seg) * p.M + row0) * p.N;
   if (k_rows(p, t.seg) == 0) {  // an expert without rows: exact zeros, the accumulators unread

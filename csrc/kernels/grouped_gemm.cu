@@ -164,13 +164,14 @@ const char* launch_expert_kernel(Kernel kernel, const CUtensorMap& tmW, const CU
 }
 
 // Routed weight gradients (expert_wgrad.cuh): persistent CTAs walk the tasks round-robin.
+template <bool kTmaStore>
 __global__ void __launch_bounds__(xgemm::kThreads, 1)
     expert_wgrad_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
-                        xwgrad::Params p) {
+                        const __grid_constant__ CUtensorMap tmOut, xwgrad::Params p) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  const xgemm::Smem sm = xgemm::carve_smem(smem_raw);
+  const auto sm = xwgrad::carve_smem<kTmaStore>(smem_raw);
   if (threadIdx.x == 32) {
-    for (int s = 0; s < xgemm::kStages; ++s) {
+    for (int s = 0; s < sm.kStages; ++s) {
       mbar_init(sm.full(s), 1);
       mbar_init(sm.empty(s), gemm::kConsumerWarps);
     }
@@ -194,9 +195,20 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
     uint32_t it = 0;
     for (int u = blockIdx.x; u < tasks; u += gridDim.x) {
       xwgrad::mma_task(p, sm, cw, xwgrad::decode(p, u), acc, it);
-      xwgrad::store_task(p, sm, xwgrad::decode(p, u), cw, acc);
+      if constexpr (kTmaStore)
+        xwgrad::store_task_tma(p, sm, &tmOut, xwgrad::decode(p, u), cw, acc);
+      else
+        xwgrad::store_task_direct(p, sm, xwgrad::decode(p, u), cw, acc);
     }
+    if (kTmaStore && threadIdx.x % 128 == 0) bulk_wait_all();  // the boxes stay until TMA is done
   }
+}
+
+// MOK_WGRAD_TMA_STORE=0: the wgrad's epilogue stores from the consumers (4-stage ring), read per
+// launch (the A/B switch; same bits).
+bool wgrad_tma_store() {
+  const char* v = getenv("MOK_WGRAD_TMA_STORE");
+  return !(v != nullptr && v[0] == '0');
 }
 
 }  // namespace
@@ -222,14 +234,22 @@ const char* launch_expert_wgrad(const void* a, int64_t a_rows, int M, const int*
   p.m_blocks = (M + xwgrad::WM - 1) / xwgrad::WM;
   p.n_blocks = (N + xwgrad::WN - 1) / xwgrad::WN;
   p.out = static_cast<__nv_bfloat16*>(out);
-  cudaLaunchConfig_t cfg = launch_config(xgemm::kThreads, xgemm::kSmemBytes, stream, false, nullptr);
-  if (cudaFuncSetAttribute(expert_wgrad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, xgemm::kSmemBytes) !=
-      cudaSuccess)
+  // out as [nseg][M][N], boxes of 64 x 64 (the TMA-store epilogue; rows past M stay in their expert)
+  CUtensorMap tmOut;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(N), static_cast<cuuint64_t>(M), static_cast<cuuint64_t>(nseg)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(N) * 2, static_cast<cuuint64_t>(M) * N * 2};
+  const cuuint32_t box[3] = {64, 64, 1};
+  if (const char* m = encode_tmap_bf16(&tmOut, out, 3, dims, strides, box)) return m;
+  const bool tma = wgrad_tma_store();
+  auto kernel = tma ? expert_wgrad_kernel<true> : expert_wgrad_kernel<false>;
+  const int smem = tma ? xwgrad::Smem<true>::kBytes : xwgrad::Smem<false>::kBytes;
+  cudaLaunchConfig_t cfg = launch_config(xgemm::kThreads, smem, stream, false, nullptr);
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
     return "mok expert_wgrad: cannot raise the shared-memory limit";
   const int64_t tasks = (int64_t)nseg * p.m_blocks * p.n_blocks;
   const int ctas = num_ctas > 0 ? num_ctas : num_sms();
   cfg.gridDim = dim3(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ctas, tasks))));
-  return launch_ex(cfg, expert_wgrad_kernel, tmA, tmB, p);
+  return launch_ex(cfg, kernel, tmA, tmB, tmOut, p);
 }
 
 const char* launch_expert_dgrad(const void* dy, int64_t rows, int K, const void* w, int M, int nseg,
