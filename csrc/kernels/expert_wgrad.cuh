@@ -13,11 +13,13 @@
 // rows between the real count and that bound must be zero in A or B (padding rows).
 // Experts without rows get exact zeros.
 //
-// Epilogue (kTmaStore, the default): a task's 128 x 256 bf16 tile is 64 KB, which global stores
-// from the consumers would drain at HBM speed before the next task's MMA could start. Instead each
-// warpgroup stmatrix-es its 64 x 256 half into four swizzled [64][64] boxes and one thread hands
-// them to TMA stores; the warpgroup goes on to the next task and waits only before it overwrites
-// the boxes (until TMA has read them). That costs shared memory: the ring has 3 stages, not 4.
+// Epilogue: a task's 128 x 256 bf16 tile is 64 KB, which global stores from the consumers would
+// drain at HBM speed before the next task's MMA could start. Instead each warpgroup stmatrix-es its
+// 64 x 256 half into four swizzled [64][64] boxes and one thread hands them to TMA stores; the
+// warpgroup goes on to the next task and waits only before it overwrites the boxes (until TMA has
+// read them). The boxes take one ring stage (3, not 4); measured faster than two boxes per
+// warpgroup filled twice next to 4 stages (docs/KERNELS.md). MOK_WGRAD_TMA_STORE=0: no TMA stores
+// (expert_gemm's staging tile, 16-byte stores from the consumers, 4 stages; the A/B switch).
 #pragma once
 
 #include "expert_gemm.cuh"
@@ -29,23 +31,20 @@ constexpr int WM = xgemm::WM;  // dW rows per task (64 per consumer warpgroup)
 constexpr int WN = 256;        // dW columns per task (wgmma N)
 constexpr int BK = xgemm::BK;  // token rows per stage
 constexpr int kABytes = xgemm::kWBytes, kBBytes = xgemm::kXBytes;  // 16 + 32 KB per stage
-constexpr int kOutBytesPerWG = 64 * WN * 2;                          // 32 KB: four [64][64] boxes
 
-// Shared memory: the ring (kStages of A and B), the TMA-store boxes (kTmaStore) or expert_gemm's
-// padded staging tiles, the ring barriers; the base is 1024-aligned.
+// Shared memory: the ring (kStages of A and B), the output boxes (or staging tiles), the ring
+// barriers; the base is 1024-aligned.
 template <bool kTmaStore>
 struct Smem {
   static constexpr int kStages = kTmaStore ? 3 : xgemm::kStages;
+  static constexpr int kOutPerWG = kTmaStore ? 4 * 64 * 128 : xgemm::kStageBytesPerWG;
   static constexpr int kOffOut = kStages * (kABytes + kBBytes);
-  static constexpr int kOutBytes = kTmaStore ? 2 * kOutBytesPerWG : 2 * xgemm::kStageBytesPerWG;
-  static constexpr int kOffBarriers = kOffOut + kOutBytes;
+  static constexpr int kOffBarriers = kOffOut + 2 * kOutPerWG;
   static constexpr int kBytes = kOffBarriers + 2 * kStages * 8 + 1024 /* alignment */;
   uint8_t* base;
   __device__ __forceinline__ uint8_t* w(int s) const { return base + s * kABytes; }
   __device__ __forceinline__ uint8_t* x(int s) const { return base + kStages * kABytes + s * kBBytes; }
-  __device__ __forceinline__ uint8_t* out(int cw) const {
-    return base + kOffOut + cw * (kTmaStore ? kOutBytesPerWG : xgemm::kStageBytesPerWG);
-  }
+  __device__ __forceinline__ uint8_t* out(int cw) const { return base + kOffOut + cw * kOutPerWG; }
   __device__ __forceinline__ uint64_t* full(int s) const { return reinterpret_cast<uint64_t*>(base + kOffBarriers) + s; }
   __device__ __forceinline__ uint64_t* empty(int s) const { return full(kStages + s); }
 };
@@ -175,9 +174,9 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t
 
 // Accumulator layout: acc[4 g + 2 s + h] holds dW row 16 w + l / 4 + 8 s, column 8 g + 2 q + h.
 
-// kTmaStore: the warpgroup's 64 x 256 half as four swizzled [64 rows][64 columns] boxes (128-byte
-// rows, 16-byte chunk c of row r at c ^ (r % 8), the TMA SWIZZLE_128B layout), then TMA stores into
-// out viewed as [nseg][M][N] (rows past M and columns past N are not written).
+// TMA stores: the warpgroup's 64 x 256 half as four swizzled [64 rows][64 columns] boxes (128-byte
+// rows, 16-byte chunk c of row r at c ^ (r % 8), the TMA SWIZZLE_128B layout), stored into out
+// viewed as [nseg][M][N] (rows past M, columns past N are not written).
 template <class Ring>
 __device__ __forceinline__ void store_task_tma(const Params& p, const Ring& sm, const CUtensorMap* tmOut,
                                                const Task& t, int cw, const float (&acc)[128]) {
@@ -185,10 +184,10 @@ __device__ __forceinline__ void store_task_tma(const Params& p, const Ring& sm, 
   const int w = tid / 32, lane = tid % 32;
   const int bar = 2 + cw;
   const uint32_t boxes = smem_u32(sm.out(cw));
-  if (tid == 0) bulk_wait_read_all();  // the previous task's boxes have been read
+  if (tid == 0) bulk_wait_read_all();  // TMA has read the previous task's boxes
   warpgroup_bar_sync(bar);
   if (k_rows(p, t.seg) == 0) {  // an expert without rows: exact zeros, the accumulators unread
-    for (int i = tid; i < kOutBytesPerWG / 16; i += 128)
+    for (int i = tid; i < Ring::kOutPerWG / 16; i += 128)
       asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};" ::"r"(boxes + 16 * i), "r"(0) : "memory");
   } else {
     // tiles (g, 0), (g, 1), (g + 1, 0), (g + 1, 1) per instruction; lane 8 m + i addresses row
