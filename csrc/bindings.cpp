@@ -439,34 +439,25 @@ void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const std::o
 }
 
 // The routed dgrad on the expert-major GEMM: out = dy @ w[e] per segment; with h, out = dh (the
-// SwiGLU backward fused into the epilogue); with push_slots, the rows go to the source ranks' slots
-// instead of out (the push fused; bwd_push without rows then opens the closing barrier).
-void expert_dgrad(const Tensor& dy, const Tensor& w, const Tensor& seg_offsets, const Tensor& seg_counts,
-                  const std::optional<Tensor>& out, const std::optional<Tensor>& h, const std::optional<Tensor>& trow,
-                  const std::optional<Tensor>& push_src_rank, const std::optional<Tensor>& push_src_slot,
-                  std::vector<int64_t> push_slots, int64_t num_ctas) {
-  using ll = long long;
+// SwiGLU backward fused into the epilogue).
+void expert_dgrad(const Tensor& dy, const Tensor& w, const Tensor& seg_offsets, const Tensor& seg_counts, Tensor& out,
+                  const std::optional<Tensor>& h, const std::optional<Tensor>& trow, int64_t num_ctas) {
   check_cuda(dy, "dy", at::kBFloat16);
   check_cuda(w, "w", at::kBFloat16);
+  check_cuda(out, "out", at::kBFloat16);
   check_cuda(seg_offsets, "seg_offsets", at::kInt);
   check_cuda(seg_counts, "seg_counts", at::kInt);
-  TORCH_CHECK(dy.dim() == 2 && w.dim() == 3, "megatron_mok: expert_dgrad needs dy [rows, K], w [nseg, K, M]");
+  TORCH_CHECK(dy.dim() == 2 && w.dim() == 3 && out.dim() == 2,
+              "megatron_mok: expert_dgrad needs dy [rows, K], w [nseg, K, M], out [rows, M] (or [rows, 2 M] with h)");
   const int64_t K = dy.size(1), nseg = w.size(0), M = w.size(2);
+  using ll = long long;
   MOK_CHECK(w.size(1) == K, "megatron_mok: expert_dgrad w must be [nseg, K, M] with K = dy.size(1) = %lld, got [%lld, %lld, %lld]",
             ll(K), ll(nseg), ll(w.size(1)), ll(M));
   MOK_CHECK(seg_offsets.numel() == nseg + 1 && seg_counts.numel() == nseg,
             "megatron_mok: expert_dgrad needs nseg + 1 seg_offsets and nseg seg_counts (nseg = %lld)", ll(nseg));
-  const bool push = !push_slots.empty();
-  TORCH_CHECK(push != out.has_value(), "megatron_mok: expert_dgrad writes either out or the push slots (push_slots)");
-  void* outp = nullptr;
-  if (out.has_value()) {
-    check_cuda(*out, "out", at::kBFloat16);
-    const int64_t out_cols = h.has_value() ? 2 * M : M;
-    MOK_CHECK(out->dim() == 2 && out->size(0) == dy.size(0) && out->size(1) == out_cols,
-              "megatron_mok: expert_dgrad out must be [%lld, %lld], got %lld dims [%lld, %lld]", ll(dy.size(0)),
-              ll(out_cols), ll(out->dim()), ll(out->size(0)), ll(out->size(-1)));
-    outp = out->data_ptr();
-  }
+  const int64_t out_cols = h.has_value() ? 2 * M : M;
+  MOK_CHECK(out.size(0) == dy.size(0) && out.size(1) == out_cols, "megatron_mok: expert_dgrad out must be [%lld, %lld], got [%lld, %lld]",
+            ll(dy.size(0)), ll(out_cols), ll(out.size(0)), ll(out.size(1)));
   const void* hp = nullptr;
   if (h.has_value()) {
     check_cuda(*h, "h", at::kBFloat16);
@@ -474,27 +465,12 @@ void expert_dgrad(const Tensor& dy, const Tensor& w, const Tensor& seg_offsets, 
               ll(2 * M), ll(h->dim()), ll(h->size(-1)));
     hp = h->data_ptr();
   }
-  const int* map = tight_rows(trow, dy.size(0), "expert_dgrad");
+  const int* map = tight_rows(trow, out.size(0), "expert_dgrad");
   TORCH_CHECK(map == nullptr || hp != nullptr, "megatron_mok: expert_dgrad trow needs h");
-  const int *src_rank = nullptr, *src_slot = nullptr;
-  mok::PeerPtrs slots{};
-  if (push) {
-    TORCH_CHECK(hp == nullptr, "megatron_mok: expert_dgrad pushes the gate/up dgrad only (no h)");
-    TORCH_CHECK(push_src_rank.has_value() && push_src_slot.has_value(),
-                "megatron_mok: expert_dgrad's push needs push_src_rank and push_src_slot");
-    check_cuda(*push_src_rank, "push_src_rank", at::kInt);
-    check_cuda(*push_src_slot, "push_src_slot", at::kInt);
-    MOK_CHECK(push_src_rank->numel() == dy.size(0) && push_src_slot->numel() == dy.size(0),
-              "megatron_mok: expert_dgrad push_src_rank / push_src_slot need %lld entries (dy rows)", ll(dy.size(0)));
-    src_rank = push_src_rank->data_ptr<int>();
-    src_slot = push_src_slot->data_ptr<int>();
-    slots = peers(push_slots, "push_slots");
-  }
   c10::cuda::CUDAGuard guard(dy.device());
   check(mok::launch_expert_dgrad(dy.data_ptr(), dy.size(0), static_cast<int>(K), w.data_ptr(), static_cast<int>(M),
-                                 static_cast<int>(nseg), seg_offsets.data_ptr<int>(), seg_counts.data_ptr<int>(), outp,
-                                 hp, map, src_rank, src_slot, push ? &slots : nullptr, static_cast<int>(num_ctas),
-                                 current_stream()));
+                                 static_cast<int>(nseg), seg_offsets.data_ptr<int>(), seg_counts.data_ptr<int>(),
+                                 out.data_ptr(), hp, map, static_cast<int>(num_ctas), current_stream()));
 }
 
 // Routed weight gradients on the expert-major ring: out[e] = a[rows of e]^T @ b[rows of e].
@@ -528,30 +504,20 @@ void zero_empty_segments(Tensor& t, const Tensor& seg_counts) {
                                         current_stream()));
 }
 
-// rows None: the rows were pushed already (expert_dgrad's fused push); only the barrier opens.
-void bwd_push(const std::optional<Tensor>& rows, const Tensor& row_src_rank, const Tensor& row_src_slot,
-              const Tensor& expert_offsets, Tensor& state, std::vector<int64_t> peer_slots,
-              std::vector<int64_t> peer_flags, int64_t rank, int64_t num_ctas, const std::optional<Tensor>& trow) {
+void bwd_push(const Tensor& rows, const Tensor& row_src_rank, const Tensor& row_src_slot, const Tensor& expert_offsets,
+              Tensor& state, std::vector<int64_t> peer_slots, std::vector<int64_t> peer_flags, int64_t rank,
+              int64_t num_ctas, const std::optional<Tensor>& trow) {
+  check_cuda(rows, "rows", at::kBFloat16);
   for (auto* t : {&row_src_rank, &row_src_slot, &expert_offsets}) check_cuda(*t, "schedule tensor", at::kInt);
   check_cuda(state, "state", at::kInt);
+  TORCH_CHECK(rows.dim() == 2 && rows.size(0) == row_src_rank.numel(), "megatron_mok: rows must be [capacity, H]");
   TORCH_CHECK(peer_slots.size() == peer_flags.size(), "megatron_mok: peer lists differ in length");
-  const void* rp = nullptr;
-  int H = 0, capacity = 0;
-  const int* map = nullptr;
-  if (rows.has_value()) {
-    check_cuda(*rows, "rows", at::kBFloat16);
-    TORCH_CHECK(rows->dim() == 2 && rows->size(0) == row_src_rank.numel(), "megatron_mok: rows must be [capacity, H]");
-    map = tight_rows(trow, rows->size(0), "bwd_push");
-    rp = rows->data_ptr();
-    H = static_cast<int>(rows->size(1));
-    capacity = static_cast<int>(row_src_rank.numel());
-  } else {
-    num_ctas = 1;  // nothing to copy: one block opens the barrier
-  }
-  c10::cuda::CUDAGuard guard(state.device());
-  check(mok::launch_bwd_push(rp, row_src_rank.data_ptr<int>(), row_src_slot.data_ptr<int>(),
-                             expert_offsets.data_ptr<int>(), static_cast<int>(expert_offsets.numel() - 1), capacity,
-                             peers(peer_slots, "peer_slots"), H, peers(peer_flags, "peer_flags"), state.data_ptr<int>(),
+  const int* map = tight_rows(trow, rows.size(0), "bwd_push");
+  c10::cuda::CUDAGuard guard(rows.device());
+  check(mok::launch_bwd_push(rows.data_ptr(), row_src_rank.data_ptr<int>(), row_src_slot.data_ptr<int>(),
+                             expert_offsets.data_ptr<int>(), static_cast<int>(expert_offsets.numel() - 1),
+                             static_cast<int>(row_src_rank.numel()), peers(peer_slots, "peer_slots"),
+                             static_cast<int>(rows.size(1)), peers(peer_flags, "peer_flags"), state.data_ptr<int>(),
                              static_cast<int>(rank), static_cast<int>(peer_flags.size()), map,
                              static_cast<int>(num_ctas), current_stream()));
 }
@@ -626,15 +592,14 @@ TORCH_LIBRARY(megatron_mok, m) {
   m.def("gather_rows(Tensor src, Tensor(a!) dst, Tensor trow, Tensor toffs, int num_ctas) -> ()");
   m.def("swiglu_backward(Tensor h, Tensor da, Tensor(a!) dh, Tensor? seg_offsets, Tensor? trow=None) -> ()");
   m.def(
-      "expert_dgrad(Tensor dy, Tensor w, Tensor seg_offsets, Tensor seg_counts, Tensor(a!)? out, Tensor? h=None, "
-      "Tensor? trow=None, Tensor? push_src_rank=None, Tensor? push_src_slot=None, int[] push_slots=[], "
-      "int num_ctas=0) -> ()");
+      "expert_dgrad(Tensor dy, Tensor w, Tensor seg_offsets, Tensor seg_counts, Tensor(a!) out, Tensor? h=None, "
+      "Tensor? trow=None, int num_ctas=0) -> ()");
   m.def(
       "expert_wgrad(Tensor a, Tensor a_offsets, Tensor b, Tensor b_offsets, Tensor counts, Tensor(a!) out, "
       "int num_ctas=0) -> ()");
   m.def("zero_empty_segments(Tensor(a!) t, Tensor seg_counts) -> ()");
   m.def(
-      "bwd_push(Tensor? rows, Tensor row_src_rank, Tensor row_src_slot, Tensor expert_offsets, Tensor(a!) state, "
+      "bwd_push(Tensor rows, Tensor row_src_rank, Tensor row_src_slot, Tensor expert_offsets, Tensor(a!) state, "
       "int[] peer_slots, int[] peer_flags, int rank, int num_ctas, Tensor? trow=None) -> ()");
   m.def(
       "bwd_epilogue_wait(Tensor slots, Tensor dw_slots, Tensor? shared_dx, Tensor(a!) dx, Tensor(b!) dprobs, "

@@ -376,12 +376,6 @@ def _bwd_gemms_on_torch() -> bool:
     return v == "torch"
 
 
-def _bwd_fused_push() -> bool:
-    """MOK_BWD_FUSED_PUSH=0 writes the gate/up dgrad's dx rows locally and pushes them with
-    ``bwd_push`` instead of from the GEMM's epilogue (read per call, the A/B switch; same bits)."""
-    return os.environ.get("MOK_BWD_FUSED_PUSH", "1") != "0"
-
-
 _SIDE_STREAMS: dict = {}
 
 
@@ -426,9 +420,8 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
        when the forward did not keep it, recomputed by the forward's SwiGLU GEMM: the same bits),
        ``dh = swiglu_backward(h, dy @ fc2[e])`` and ``dx_rows = dh @ fc1[e]`` (``expert_dgrad``, the
        expert-major GEMM reading the weights MN-major, the SwiGLU backward fused into the first);
-       the second one's epilogue stores the dx rows into the source ranks' symmetric ``[T * k, H]``
-       slots (``MOK_BWD_FUSED_PUSH=0``: into local rows that ``bwd_push`` copies); ``bwd_push``
-       opens the closing barrier;
+       ``bwd_push``: dx rows into the source ranks' symmetric ``[T * k, H]`` slots, opening the
+       closing barrier;
     5. routed wgrad while the peers finish pushing (``expert_wgrad``, reading the padded rows):
        ``dfc2[e] = dy^T @ act``, ``dfc1[e] = dh^T @ x_routed``; experts without rows get exact zeros;
     6. ``bwd_epilogue_wait``: closes the barrier, ``dx[t] = sum_s slot[t, s]`` in slot order in fp32
@@ -511,22 +504,15 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
         ops.swiglu_backward(h, da, dh, row_offs, trow=trow)
         del h, da
         dx_rows = torch._grouped_mm(dh, fc1, offs=row_offs[1:])  # [cap, H]
-    elif _bwd_fused_push():  # expert-major GEMMs (weights MN-major): the SwiGLU backward in the first
-        # one's epilogue, the push of the dx rows to their source ranks in the second one's
-        ops.expert_dgrad(dy, fc2, offsets, counts, dh, h=h)
-        del h
-        ops.expert_dgrad(dh, fc1, offsets, counts, None, push_src_rank=sched.row_src_rank,
-                         push_src_slot=sched.row_src_slot, push_slots=slot_ptrs)
-        dx_rows = None
-    else:
+    else:  # expert-major GEMMs (weights MN-major); the SwiGLU backward in the first one's epilogue
         ops.expert_dgrad(dy, fc2, offsets, counts, dh, h=h)
         del h
         dx_rows = torch.empty((cap, H), **bf16)
         ops.expert_dgrad(dh, fc1, offsets, counts, dx_rows)
 
-    # push dx rows into the source ranks' slots (dx_rows None: pushed already) and open the closing
-    # barrier; 5. the weight gradients then run while the peers finish pushing:
-    # dfc2[e] = dy^T @ act, dfc1[e] = dh^T @ x_routed; experts without rows get exact zeros
+    # push dx rows into the source ranks' slots (opens the closing barrier); 5. the weight gradients
+    # then run while the peers finish pushing: dfc2[e] = dy^T @ act, dfc1[e] = dh^T @ x_routed;
+    # experts without rows get exact zeros
     ops.bwd_push(dx_rows, sched.row_src_rank, sched.row_src_slot, row_offs, c.state, slot_ptrs, c.flag_ptrs, ws.rank,
                  comm_ctas, trow=trow)
     del dx_rows

@@ -196,18 +196,13 @@ def swiglu_backward(h, da, dh, seg_offsets=None, trow=None) -> None:
     _ops().swiglu_backward(h, da, dh, seg_offsets, trow)
 
 
-def expert_dgrad(dy, w, seg_offsets, seg_counts, out, h=None, trow=None, num_ctas: int = 0, *,
-                 push_src_rank=None, push_src_slot=None, push_slots: list[int] | None = None) -> None:
+def expert_dgrad(dy, w, seg_offsets, seg_counts, out, h=None, trow=None, num_ctas: int = 0) -> None:
     """``out[r] = dy[r] @ w[e]`` for the rows r of segment e (``w`` ``[nseg, K, M]``, as
     ``torch._grouped_mm(dy, w, offs=seg_offsets[1:])``), on the expert-major GEMM; rows of a segment
     past ``seg_counts[e]`` get zeros. With ``h`` (``[rows', 2M] = [gate | up]``): ``out = [d_gate |
     d_up]`` (``[rows, 2M]``) of ``da = bf16(dy @ w[e])``, as ``swiglu_backward(h, da, out, ...)``
-    gives; ``trow``: out row r pairs with ``h`` row ``trow[r]`` (< 0: a zero row). With
-    ``push_slots`` (peer addresses of the ``[T * k, M]`` slot buffers; ``out`` None): row r goes to
-    slot ``push_src_slot[r]`` of rank ``push_src_rank[r]`` (< 0: nowhere), as ``bwd_push`` would
-    copy it; ``bwd_push(None, ...)`` then opens the closing barrier."""
-    _ops().expert_dgrad(dy, w, seg_offsets, seg_counts, out, h, trow, push_src_rank, push_src_slot,
-                        list(push_slots or []), num_ctas)
+    gives; ``trow``: out row r pairs with ``h`` row ``trow[r]`` (< 0: a zero row)."""
+    _ops().expert_dgrad(dy, w, seg_offsets, seg_counts, out, h, trow, num_ctas)
 
 
 def expert_wgrad(a, a_offsets, b, b_offsets, counts, out, num_ctas: int = 0) -> None:
@@ -227,8 +222,7 @@ def bwd_push(rows, row_src_rank, row_src_slot, expert_offsets, state, peer_slots
              peer_flags: list[int], rank: int, num_ctas: int = 0, trow=None) -> None:
     """Routed row i -> slot ``row_src_slot[i]`` of rank ``row_src_rank[i]``'s ``[T * k, H]`` buffer,
     then the opening half of a barrier (``bwd_epilogue_wait`` closes it). ``trow``: ``rows`` are
-    tight (``expert_offsets`` = tight offsets), row t is padded row ``trow[t]`` (< 0: skipped).
-    ``rows`` None: the rows were pushed already (``expert_dgrad``'s push); only the barrier opens."""
+    tight (``expert_offsets`` = tight offsets), row t is padded row ``trow[t]`` (< 0: skipped)."""
     _ops().bwd_push(rows, row_src_rank, row_src_slot, expert_offsets, state, peer_slots, peer_flags, rank, num_ctas,
                     trow)
 

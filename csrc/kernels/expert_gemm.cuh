@@ -481,43 +481,6 @@ __device__ __forceinline__ void store_task_swiglu_bwd(const Params& p, const Rin
   }
 }
 
-// The backward's dx rows straight to their source ranks (kWMN tasks against fc1, the push fused):
-// output row r (the task's tokens) goes to slot src_slot[r] of rank src_rank[r]'s symmetric
-// [T * k, N] buffer, as bwd_push would copy it (same bits); padding rows (src_rank < 0) go nowhere.
-struct PushTarget {
-  const int* src_rank;
-  const int* src_slot;
-  PeerPtrs slots;
-};
-
-template <class Ring>
-__device__ __forceinline__ void store_task_push(const Params& p, const Ring& sm, const Task& tk, int cw,
-                                                const float (&acc)[128], const PushTarget& push) {
-  const int t = threadIdx.x % 128;
-  const int w = t / 32, lane = t % 32;
-  const int bar = 2 + cw;
-  const uint32_t stg = smem_u32(sm.staging(cw));
-  const int col0 = tk.block * WM + cw * 64;
-#pragma unroll
-  for (int sl = 0; sl < kMaxTok / 64; ++sl) {
-    if (64 * sl >= tk.n_tok) break;
-    const int row0 = tk.row0 + 64 * sl;
-    const int n_real = tk.n_real - 64 * sl;
-    stage_plain(stg, acc, sl, w, lane);
-    warpgroup_bar_sync(bar);
-    for (int idx = t; idx < 64 * 8; idx += 128) {
-      const int c = idx / 8, col = col0 + 8 * (idx % 8);
-      if (c >= n_real || col >= p.N) continue;
-      const int r = row0 + c;
-      const int rank = push.src_rank[r];
-      if (rank < 0) continue;
-      st16(static_cast<__nv_bfloat16*>(push.slots.p[rank]) + static_cast<int64_t>(push.src_slot[r]) * p.N + col,
-           ld_shared_v4(stg + 2 * (c * kStageStride + 8 * (idx % 8))));
-    }
-    warpgroup_bar_sync(bar);
-  }
-}
-
 // ---- host side -----------------------------------------------------------------------------------
 
 inline Params make_params(const int* seg_offsets, const int* seg_counts, int nseg, int a_rows, int K, int N,

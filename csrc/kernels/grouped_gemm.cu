@@ -87,12 +87,10 @@ const char* launch(const CUtensorMap& tmA, const CUtensorMap& tmB, const gemm::P
 // The expert-major routed GEMM (expert_gemm.cuh): persistent CTAs walk the tasks round-robin.
 // kWMN: the backward's dgrad, weights [K, M] per expert (MN-major A); with h, the SwiGLU backward
 // is fused into its epilogue (out = dh; trow maps out rows to h rows).
-// kPush: the dgrad's output rows go to the source ranks' slots (store_task_push) instead of out.
-template <bool kSwiGLU, bool kWMN = false, bool kPush = false>
+template <bool kSwiGLU, bool kWMN = false>
 __global__ void __launch_bounds__(xgemm::kThreads, 1)
     expert_gemm_kernel(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
-                       xgemm::Params p, const __nv_bfloat16* h, const int* trow,
-                       const __grid_constant__ xgemm::PushTarget push) {
+                       xgemm::Params p, const __nv_bfloat16* h, const int* trow) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   __shared__ int chunk_prefix[xgemm::kMaxSeg + 1];  // static: addressed as shared (32-bit), no spill
   const xgemm::Smem sm = xgemm::carve_smem(smem_raw);
@@ -124,21 +122,17 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
     for (int u = blockIdx.x; u < tasks; u += gridDim.x) {
       // decoded twice: keeping the task live through the main loop costs registers (spills)
       xgemm::mma_task_any<false, false, kWMN>(p, sm, cw, acc, it, xgemm::decode(p, chunk_prefix, u).n_tok);
-      if constexpr (kPush)
-        xgemm::store_task_push(p, sm, xgemm::decode(p, chunk_prefix, u), cw, acc, push);
-      else if (kWMN && h != nullptr)
+      if (kWMN && h != nullptr)
         xgemm::store_task_swiglu_bwd(p, sm, xgemm::decode(p, chunk_prefix, u), cw, acc, h, trow);
       else
         xgemm::store_task<kSwiGLU>(p, sm, xgemm::decode(p, chunk_prefix, u), cw, acc);
     }
-    if constexpr (kPush) __threadfence_system();  // the pushes precede the barrier that bwd_push opens
   }
 }
 
 template <class Kernel>
 const char* launch_expert_kernel(Kernel kernel, const CUtensorMap& tmW, const CUtensorMap& tmX, const xgemm::Params& p,
-                                 const void* h, const int* trow, int num_ctas, cudaStream_t stream,
-                                 const xgemm::PushTarget* push = nullptr);
+                                 const void* h, const int* trow, int num_ctas, cudaStream_t stream);
 
 const char* launch_expert_gemm(bool swiglu, const void* A, int64_t a_rows, int K, const void* B, int nseg,
                                const int* seg_offsets, const int* seg_counts, void* out, void* pre_out, int N,
@@ -158,8 +152,7 @@ const char* launch_expert_gemm(bool swiglu, const void* A, int64_t a_rows, int K
 
 template <class Kernel>
 const char* launch_expert_kernel(Kernel kernel, const CUtensorMap& tmW, const CUtensorMap& tmX, const xgemm::Params& p,
-                                 const void* h, const int* trow, int num_ctas, cudaStream_t stream,
-                                 const xgemm::PushTarget* push) {
+                                 const void* h, const int* trow, int num_ctas, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = launch_config(xgemm::kThreads, xgemm::kSmemBytes, stream, false, nullptr);
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, xgemm::kSmemBytes) != cudaSuccess)
     return "mok grouped_gemm: cannot raise the shared-memory limit of the expert-major GEMM";
@@ -167,8 +160,7 @@ const char* launch_expert_kernel(Kernel kernel, const CUtensorMap& tmW, const CU
   const int64_t max_tasks = ((int64_t)p.nseg + p.a_rows / xgemm::kMaxTok + 1) * p.n_blocks;
   const int ctas = num_ctas > 0 ? num_ctas : num_sms();
   cfg.gridDim = dim3(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ctas, max_tasks))));
-  const xgemm::PushTarget no_push{};
-  return launch_ex(cfg, kernel, tmW, tmX, p, static_cast<const __nv_bfloat16*>(h), trow, push ? *push : no_push);
+  return launch_ex(cfg, kernel, tmW, tmX, p, static_cast<const __nv_bfloat16*>(h), trow);
 }
 
 // Routed weight gradients (expert_wgrad.cuh): persistent CTAs walk the tasks round-robin.
@@ -262,17 +254,13 @@ const char* launch_expert_wgrad(const void* a, int64_t a_rows, int M, const int*
 
 const char* launch_expert_dgrad(const void* dy, int64_t rows, int K, const void* w, int M, int nseg,
                                 const int* seg_offsets, const int* seg_counts, void* out, const void* h,
-                                const int* trow, const int* push_src_rank, const int* push_src_slot,
-                                const PeerPtrs* push_slots, int num_ctas, cudaStream_t stream) {
+                                const int* trow, int num_ctas, cudaStream_t stream) {
   if (rows <= 0 || M <= 0) return nullptr;
   if (K <= 0 || K % 8 || M % 8) return "mok expert_dgrad: K and M must be positive multiples of 8";
   if (rows > (int64_t)1 << 30) return "mok expert_dgrad: too many rows";
   if (nseg < 1 || nseg > xgemm::kMaxSeg) return "mok expert_dgrad: 1 to 512 segments";
   if (seg_offsets == nullptr || seg_counts == nullptr) return "mok expert_dgrad: needs segment offsets and counts";
-  const bool push = push_slots != nullptr;
-  if (push && (h != nullptr || push_src_rank == nullptr || push_src_slot == nullptr))
-    return "mok expert_dgrad: the fused push needs the schedule's row_src_rank / row_src_slot and no h";
-  if ((!push && !aligned16(out)) || (h != nullptr && !aligned16(h)))
+  if (!aligned16(out) || (h != nullptr && !aligned16(h)))
     return "mok expert_dgrad: out and h must start at a 16-byte aligned address (16-byte stores)";
   CUtensorMap tmW, tmX;
   if (const char* m = make_tmap_bf16_2d(&tmX, dy, rows, K, K, xgemm::kXBox)) return m;
@@ -280,11 +268,6 @@ const char* launch_expert_dgrad(const void* dy, int64_t rows, int K, const void*
   if (const char* m = make_tmap_bf16_2d(&tmW, w, (uint64_t)nseg * K, M, M, xgemm::WM / 2)) return m;
   const xgemm::Params p = xgemm::make_params(seg_offsets, seg_counts, nseg, static_cast<int>(rows), K, M, false, out,
                                              nullptr);
-  if (push) {
-    const xgemm::PushTarget target{push_src_rank, push_src_slot, *push_slots};
-    return launch_expert_kernel(expert_gemm_kernel<false, true, true>, tmW, tmX, p, nullptr, nullptr, num_ctas, stream,
-                                &target);
-  }
   return launch_expert_kernel(expert_gemm_kernel<false, true>, tmW, tmX, p, h, trow, num_ctas, stream);
 }
 

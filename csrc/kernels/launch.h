@@ -130,13 +130,9 @@ const char* launch_bwd_pull(const int* row_src_rank, const int* row_src_slot, co
 // segment e (real rows from seg_counts; a segment's other rows get zeros). With h ([rows', 2 M]
 // = [gate | up]): out = [d_gate | d_up] ([rows, 2 M]) of da = bf16(dy @ w[e]), the SwiGLU backward
 // fused; out row r pairs with h row trow[r] (trow may be null: the same row; < 0: zeros).
-// With push_slots (no h): out is not written; row r goes to slot push_src_slot[r] of rank
-// push_src_rank[r]'s [T * k, M] buffer (< 0: nowhere), then launch_bwd_push without rows opens the
-// closing barrier.
 const char* launch_expert_dgrad(const void* dy, int64_t rows, int K, const void* w, int M, int nseg,
                                 const int* seg_offsets, const int* seg_counts, void* out, const void* h,
-                                const int* trow, const int* push_src_rank, const int* push_src_slot,
-                                const PeerPtrs* push_slots, int num_ctas, cudaStream_t stream);
+                                const int* trow, int num_ctas, cudaStream_t stream);
 
 // Routed weight gradients, expert-major: out[e] = a[rows of e]^T @ b[rows of e] ([M, N] per
 // expert, fp32 accumulation over the rows in ascending order, one bf16 rounding). Expert e's rows
@@ -161,7 +157,7 @@ const char* launch_zero_empty_segments(void* t, int64_t bytes_per_seg, const int
 // symmetric [T * k, H] buffer (like launch_combine); then the last block opens a barrier (new epoch
 // stored into every peer's flag); launch_bwd_epilogue with wait_flags closes it. trow (optional):
 // rows are tight (expert_offsets the tight offsets), row t goes where padded row trow[t] goes (< 0:
-// skipped). capacity 0 (rows may be null): only the barrier opens (the rows were pushed already).
+// skipped).
 const char* launch_bwd_push(const void* rows, const int* row_src_rank, const int* row_src_slot,
                             const int* expert_offsets, int nle, int capacity, const PeerPtrs& slot_bufs, int H,
                             const PeerPtrs& flags, int* state, int rank, int ep, const int* trow, int num_ctas,
