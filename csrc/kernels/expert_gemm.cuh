@@ -266,11 +266,7 @@ __device__ __forceinline__ void mma_task(const Params& p, const Ring& sm, int cw
       const uint64_t db = wgmma_desc_sw128(sm.x(s) + kk * 32);
       wgmma_n<N, kWMN>(acc, da, db, kb > 0 || kk > 0, std::make_index_sequence<N / 2>{});
     }
-    wgmma_commit();
-    if (prev >= 0) {
-      wgmma_wait<1>();
-      gemm::release_stage<kPaired>(sm.empty(prev));
-    }
+    gemm::commit_and_release_previous<kPaired>(prev, [&](int i) { return sm.empty(i); });
     prev = s;
   }
   wgmma_wait<0>();

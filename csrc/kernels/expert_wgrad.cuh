@@ -143,11 +143,7 @@ __device__ __forceinline__ void mma_task(const Params& p, const Ring& sm, int cw
     const int s = it % kStages;
     gemm::ring_wait<false>(sm.full(s), (it / kStages) & 1, nullptr);
     issue_groups<4>(sm, s, cw, acc, kb > 0);
-    wgmma_commit();
-    if (prev >= 0) {
-      wgmma_wait<1>();
-      gemm::release_stage<false>(sm.empty(prev));
-    }
+    gemm::commit_and_release_previous<false>(prev, [&](int i) { return sm.empty(i); });
     prev = s;
   }
   wgmma_wait<0>();

@@ -95,13 +95,7 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
   __shared__ int chunk_prefix[xgemm::kMaxSeg + 1];  // static: addressed as shared (32-bit), no spill
   const xgemm::Smem sm = xgemm::carve_smem(smem_raw);
   if (threadIdx.x < 32) xgemm::build_chunk_prefix(p, chunk_prefix);
-  if (threadIdx.x == 32) {
-    for (int s = 0; s < xgemm::kStages; ++s) {
-      mbar_init(sm.full(s), 1);
-      mbar_init(sm.empty(s), gemm::kConsumerWarps);
-    }
-    mbar_fence_init();
-  }
+  gemm::init_ring_barriers(sm, xgemm::kStages);
   __syncthreads();
   const int tasks = xgemm::num_tasks(p, chunk_prefix);
   const int wg = threadIdx.x / 128;
@@ -170,13 +164,7 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
                         const __grid_constant__ CUtensorMap tmOut, xwgrad::Params p) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const auto sm = xwgrad::carve_smem<kTmaStore>(smem_raw);
-  if (threadIdx.x == 32) {
-    for (int s = 0; s < sm.kStages; ++s) {
-      mbar_init(sm.full(s), 1);
-      mbar_init(sm.empty(s), gemm::kConsumerWarps);
-    }
-    mbar_fence_init();
-  }
+  gemm::init_ring_barriers(sm, sm.kStages);
   __syncthreads();
   const int tasks = xwgrad::num_tasks(p);
   const int wg = threadIdx.x / 128;

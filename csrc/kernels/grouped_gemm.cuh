@@ -102,6 +102,31 @@ __device__ __forceinline__ void release_stage(uint64_t* empty) {
   }
 }
 
+// After issuing a stage's wgmmas: commit them, wait until only they are in flight, and free the
+// previous stage `prev` (< 0: the task's first stage, nothing to free); empty_of(i) is stage i's
+// empty barrier.
+template <bool kPaired, class EmptyOf>
+__device__ __forceinline__ void commit_and_release_previous(int prev, EmptyOf empty_of) {
+  wgmma_commit();
+  if (prev >= 0) {
+    wgmma_wait<1>();
+    release_stage<kPaired>(empty_of(prev));
+  }
+}
+
+// Ring barriers of a warp-specialised kernel: full (one producer arrival + TMA bytes), empty (the
+// consumer warps), initialised by thread 32 before the block-wide sync that follows.
+template <class Ring>
+__device__ __forceinline__ void init_ring_barriers(const Ring& sm, int stages) {
+  if (threadIdx.x == 32) {
+    for (int s = 0; s < stages; ++s) {
+      mbar_init(sm.full(s), 1);
+      mbar_init(sm.empty(s), kConsumerWarps);
+    }
+    mbar_fence_init();
+  }
+}
+
 // Empty-barrier arrivals per stage phase: the consumer warps of every CTA that writes the stage.
 __host__ __device__ constexpr int empty_arrivals(bool paired) { return kConsumerWarps * (paired ? 2 : 1); }
 
@@ -180,11 +205,7 @@ __device__ __forceinline__ void mma_tile(const Params& p, const Smem& sm, int cw
       const uint64_t db = wgmma_desc_sw128(sm.b(s) + kk * 32);
       wgmma_m64n256k16(acc, da, db, (kb > 0 || kk > 0) ? 1 : 0);
     }
-    wgmma_commit();
-    if (prev >= 0) {
-      wgmma_wait<1>();
-      release_stage<kPaired>(&sm.empty[prev]);
-    }
+    commit_and_release_previous<kPaired>(prev, [&](int i) { return &sm.empty[i]; });
     prev = s;
   }
   wgmma_wait<0>();
