@@ -310,14 +310,21 @@ __device__ __forceinline__ void mma_task_any(const Params& p, const Ring& sm, in
 // acc[4 g + 2 s + h] holds weight row 16 w + l / 4 + 8 s and token 8 g + 2 q + h.
 
 // Four 8x8 bf16 tiles of the warp's accumulator fragments (r0..r3: this thread's pair of adjacent
-// tokens of one weight row in each) stored transposed: lane 8 m + i gives the address of token row
-// i of tile m, which receives the tile's 8 weight rows as 16 contiguous bytes. One instruction
-// replaces 8 two-byte stores per thread. (Shared-memory addresses are 32-bit here: generic 64-bit
-// pointers cost the registers that the megakernel's consumers do not have next to 128 accumulators.)
-__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1),
-               "r"(r2), "r"(r3)
-               : "memory");
+// elements of one accumulator row in each), lane 8 m + i giving the address of row i of tile m.
+// kTrans: each tile is stored transposed (row i of the stored tile receives the tile's column i, 8
+// accumulator rows as 16 contiguous bytes); else as it is. One instruction replaces 8 two-byte
+// stores per thread. (Shared-memory addresses are 32-bit here: generic 64-bit pointers cost the
+// registers that the megakernel's consumers do not have next to 128 accumulators.)
+template <bool kTrans>
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  if constexpr (kTrans)
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0),
+                 "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+  else
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1),
+                 "r"(r2), "r"(r3)
+                 : "memory");
 }
 
 __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
@@ -364,7 +371,7 @@ __device__ __forceinline__ void stage_plain(uint32_t stg, const float (&acc)[128
   for (int g8 = 0; g8 < 8; g8 += 2) {
     const int g = 8 * sl + g8;
     const int m = lane / 8;
-    stmatrix_x4_trans(stg + 2 * ((8 * (g8 + m / 2) + lane % 8) * kStageStride + 16 * w + 8 * (m % 2)),
+    stmatrix_x4<true>(stg + 2 * ((8 * (g8 + m / 2) + lane % 8) * kStageStride + 16 * w + 8 * (m % 2)),
                       gemm::bf16x2_bits(acc[4 * g], acc[4 * g + 1]), gemm::bf16x2_bits(acc[4 * g + 2], acc[4 * g + 3]),
                       gemm::bf16x2_bits(acc[4 * g + 4], acc[4 * g + 5]),
                       gemm::bf16x2_bits(acc[4 * g + 6], acc[4 * g + 7]));
@@ -398,7 +405,7 @@ __device__ __forceinline__ void store_task(const Params& p, const Ring& sm, cons
             v[m] = round == 0 ? gemm::bf16x2_bits(swiglu(g0, u0), swiglu(g1, u1))
                               : (round == 1 ? gemm::bf16x2_bits(g0, g1) : gemm::bf16x2_bits(u0, u1));
           }
-          stmatrix_x4_trans(stg + 2 * ((8 * (g8 + lane / 8) + lane % 8) * kStageStride + 8 * w), v[0], v[1], v[2], v[3]);
+          stmatrix_x4<true>(stg + 2 * ((8 * (g8 + lane / 8) + lane % 8) * kStageStride + 8 * w), v[0], v[1], v[2], v[3]);
         }
       } else {
         stage_plain(stg, acc, sl, w, lane);

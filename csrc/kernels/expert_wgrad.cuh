@@ -128,7 +128,6 @@ __device__ __forceinline__ void tail_stage(const Ring& sm, int s, int cw, float 
   issue_groups<G>(sm, s, cw, acc, accumulate);
   wgmma_commit();
   wgmma_wait<0>();
-  fence_regs(acc);
 }
 
 // Consumer warpgroup cw: dW rows 64 cw .. 64 cw + 63 of the task against its 256 columns.
@@ -162,12 +161,6 @@ __device__ __forceinline__ void mma_task(const Params& p, const Ring& sm, int cw
   fence_regs(acc);
 }
 
-__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1),
-               "r"(r2), "r"(r3)
-               : "memory");
-}
-
 // Accumulator layout: acc[4 g + 2 s + h] holds dW row 16 w + l / 4 + 8 s, column 8 g + 2 q + h.
 
 // TMA stores: the warpgroup's 64 x 256 half as four swizzled [64 rows][64 columns] boxes (128-byte
@@ -193,7 +186,7 @@ __device__ __forceinline__ void store_task_tma(const Params& p, const Ring& sm, 
       const int m = lane / 8;
       const int row = 16 * w + 8 * (m % 2) + lane % 8;
       const int chunk = g + m / 2;
-      stmatrix_x4(boxes + (chunk / 8) * (64 * 128) + row * 128 + (((chunk % 8) ^ (row % 8)) << 4),
+      xgemm::stmatrix_x4<false>(boxes + (chunk / 8) * (64 * 128) + row * 128 + (((chunk % 8) ^ (row % 8)) << 4),
                   gemm::bf16x2_bits(acc[4 * g], acc[4 * g + 1]), gemm::bf16x2_bits(acc[4 * g + 2], acc[4 * g + 3]),
                   gemm::bf16x2_bits(acc[4 * g + 4], acc[4 * g + 5]),
                   gemm::bf16x2_bits(acc[4 * g + 6], acc[4 * g + 7]));
@@ -235,7 +228,7 @@ __device__ __forceinline__ void store_task_direct(const Params& p, const Ring& s
     for (int g8 = 0; g8 < 8; g8 += 2) {
       const int g = 8 * sl + g8;
       const int m = lane / 8;
-      stmatrix_x4(stg + 2 * ((16 * w + 8 * (m % 2) + lane % 8) * xgemm::kStageStride + 8 * (g8 + m / 2)),
+      xgemm::stmatrix_x4<false>(stg + 2 * ((16 * w + 8 * (m % 2) + lane % 8) * xgemm::kStageStride + 8 * (g8 + m / 2)),
                   gemm::bf16x2_bits(acc[4 * g], acc[4 * g + 1]), gemm::bf16x2_bits(acc[4 * g + 2], acc[4 * g + 3]),
                   gemm::bf16x2_bits(acc[4 * g + 4], acc[4 * g + 5]),
                   gemm::bf16x2_bits(acc[4 * g + 6], acc[4 * g + 7]));
