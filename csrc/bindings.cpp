@@ -7,6 +7,7 @@
 
 #include <cstdio>
 #include <string>
+#include <tuple>
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -550,6 +551,114 @@ void bwd_epilogue_wait(const Tensor& slots, const Tensor& dw_slots, const std::o
                                  current_stream()));
 }
 
+// The persistent backward megakernel; the shared-expert tensors are all given or all None.
+void bwd_megakernel(const Tensor& grad_out, const Tensor& x, const Tensor& fc1, const Tensor& fc2,
+                    const std::optional<Tensor>& shared_fc1, const std::optional<Tensor>& shared_fc2,
+                    const Tensor& row_src_rank, const Tensor& row_src_slot, const Tensor& expert_counts,
+                    const Tensor& expert_offsets, const std::optional<Tensor>& shared_seg, const Tensor& x_routed,
+                    const Tensor& act, const Tensor& h, const Tensor& y_routed,
+                    const std::optional<Tensor>& shared_act, const std::optional<Tensor>& shared_h, Tensor& dy,
+                    Tensor& dh, Tensor& dx_rows, Tensor& dfc1, Tensor& dfc2, const std::optional<Tensor>& dhs,
+                    const std::optional<Tensor>& shared_dx, const std::optional<Tensor>& dsfc1,
+                    const std::optional<Tensor>& dsfc2, Tensor& counters, Tensor& state, Tensor& errors,
+                    std::vector<int64_t> peer_g, std::vector<int64_t> peer_p, std::vector<int64_t> peer_dw,
+                    std::vector<int64_t> peer_slots, std::vector<int64_t> peer_flags, int64_t rank, int64_t topk,
+                    int64_t num_comm, int64_t num_compute, int64_t minibatch_rows, double timeout_s) {
+  using ll = long long;
+  for (auto* t : {&grad_out, &x, &fc1, &fc2, &x_routed, &act, &h, &y_routed}) check_cuda(*t, "bwd_megakernel input", at::kBFloat16);
+  for (auto* t : {&dy, &dh, &dx_rows, &dfc1, &dfc2}) check_cuda(*t, "bwd_megakernel output", at::kBFloat16);
+  for (auto* t : {&row_src_rank, &row_src_slot, &expert_counts, &expert_offsets}) check_cuda(*t, "schedule tensor", at::kInt);
+  for (auto* t : {&counters, &state, &errors}) check_cuda(*t, "bwd_megakernel state", at::kInt);
+  TORCH_CHECK(x.dim() == 2 && fc1.dim() == 3 && fc2.dim() == 3, "megatron_mok: x [T, H], fc1 [nle, 2I, H], fc2 [nle, H, I]");
+  const int64_t T = x.size(0), H = x.size(1), nle = fc1.size(0), I = fc1.size(1) / 2, cap = row_src_rank.numel();
+  MOK_CHECK(grad_out.sizes() == x.sizes(), "megatron_mok: bwd_megakernel grad_out must be [T, H] = [%lld, %lld]", ll(T), ll(H));
+  MOK_CHECK(fc1.size(1) == 2 * I && fc1.size(2) == H && fc2.size(0) == nle && fc2.size(1) == H && fc2.size(2) == I,
+            "megatron_mok: bwd_megakernel weights must be fc1 [nle, 2I, H], fc2 [nle, H, I] with H = %lld", ll(H));
+  TORCH_CHECK(row_src_slot.numel() == cap && expert_counts.numel() == nle && expert_offsets.numel() == nle + 1,
+              "megatron_mok: bwd_megakernel schedule shapes");
+  const auto rows_of = [](const Tensor& t, int64_t r, int64_t c) { return t.dim() == 2 && t.size(0) == r && t.size(1) == c; };
+  for (auto [t, c, name] : {std::tuple{&x_routed, H, "x_routed"}, {&act, I, "act"}, {&h, 2 * I, "h"},
+                            {&y_routed, H, "y_routed"}, {&dy, H, "dy"}, {&dh, 2 * I, "dh"}, {&dx_rows, H, "dx_rows"}})
+    MOK_CHECK(rows_of(*t, cap, c), "megatron_mok: bwd_megakernel %s must be [capacity, %lld] = [%lld, %lld]", name, ll(c),
+              ll(cap), ll(c));
+  TORCH_CHECK(dfc1.sizes() == fc1.sizes() && dfc2.sizes() == fc2.sizes(), "megatron_mok: dfc1 / dfc2 take the weights' shapes");
+  MOK_CHECK(counters.numel() >= mok::bwd_megakernel_counter_ints(static_cast<int>(cap), static_cast<int>(T)),
+            "megatron_mok: bwd_megakernel counters need %lld ints",
+            ll(mok::bwd_megakernel_counter_ints(static_cast<int>(cap), static_cast<int>(T))));
+  const bool shared = shared_fc1.has_value();
+  for (const auto* t : {&shared_fc2, &shared_seg, &shared_act, &shared_h, &dhs, &shared_dx, &dsfc1, &dsfc2})
+    TORCH_CHECK(t->has_value() == shared, "megatron_mok: bwd_megakernel's shared-expert tensors are all given or all None");
+  int64_t Is = 0;
+  if (shared) {
+    Is = shared_fc1->size(0) / 2;
+    for (const auto* t : {&shared_fc1, &shared_fc2, &shared_act, &shared_h}) check_cuda(**t, "shared-expert input", at::kBFloat16);
+    for (const auto* t : {&dhs, &shared_dx, &dsfc1, &dsfc2}) check_cuda(**t, "shared-expert output", at::kBFloat16);
+    check_cuda(*shared_seg, "shared_seg", at::kInt);
+    TORCH_CHECK(shared_seg->numel() == 3, "megatron_mok: shared_seg must be {0, T, T}");
+    MOK_CHECK(rows_of(*shared_fc1, 2 * Is, H) && rows_of(*shared_fc2, H, Is),
+              "megatron_mok: shared weights must be [2Is, H], [H, Is] with H = %lld", ll(H));
+    MOK_CHECK(rows_of(*shared_act, T, Is) && rows_of(*shared_h, T, 2 * Is) && rows_of(*dhs, T, 2 * Is) &&
+                  rows_of(*shared_dx, T, H) && dsfc1->sizes() == shared_fc1->sizes() &&
+                  dsfc2->sizes() == shared_fc2->sizes(),
+              "megatron_mok: bwd_megakernel shared tensors: act [T, Is], h and dhs [T, 2Is], dx [T, H], grads as "
+              "the weights (T = %lld, Is = %lld)", ll(T), ll(Is));
+  }
+  const size_t ep = peer_flags.size();
+  TORCH_CHECK(peer_g.size() == ep && peer_p.size() == ep && peer_dw.size() == ep && peer_slots.size() == ep,
+              "megatron_mok: peer lists differ in length");
+  const auto ptr = [](const std::optional<Tensor>& t) { return t.has_value() ? t->data_ptr() : nullptr; };
+  mok::BwdMegaArgs a{};
+  a.g = grad_out.data_ptr();
+  a.x = x.data_ptr();
+  a.fc1 = fc1.data_ptr();
+  a.fc2 = fc2.data_ptr();
+  a.shared_fc1 = ptr(shared_fc1);
+  a.shared_fc2 = ptr(shared_fc2);
+  a.row_src_rank = row_src_rank.data_ptr<int>();
+  a.row_src_slot = row_src_slot.data_ptr<int>();
+  a.expert_counts = expert_counts.data_ptr<int>();
+  a.expert_offsets = expert_offsets.data_ptr<int>();
+  a.shared_seg = shared ? shared_seg->data_ptr<int>() : nullptr;
+  a.x_routed = x_routed.data_ptr();
+  a.act = act.data_ptr();
+  a.h = h.data_ptr();
+  a.y_routed = y_routed.data_ptr();
+  a.shared_act = ptr(shared_act);
+  a.shared_h = ptr(shared_h);
+  a.dy = dy.data_ptr();
+  a.dh = dh.data_ptr();
+  a.dx_rows = dx_rows.data_ptr();
+  a.dfc1 = dfc1.data_ptr();
+  a.dfc2 = dfc2.data_ptr();
+  a.dhs = ptr(dhs);
+  a.shared_dx = ptr(shared_dx);
+  a.dsfc1 = ptr(dsfc1);
+  a.dsfc2 = ptr(dsfc2);
+  a.counters = counters.data_ptr<int>();
+  a.state = state.data_ptr<int>();
+  a.errors = errors.data_ptr<int>();
+  a.g_bufs = peers(peer_g, "peer_g");
+  a.p_bufs = peers(peer_p, "peer_p");
+  a.dw_bufs = peers(peer_dw, "peer_dw");
+  a.slot_bufs = peers(peer_slots, "peer_slots");
+  a.flags = peers(peer_flags, "peer_flags");
+  a.T = static_cast<int>(T);
+  a.H = static_cast<int>(H);
+  a.I = static_cast<int>(I);
+  a.Is = static_cast<int>(Is);
+  a.k = static_cast<int>(topk);
+  a.nle = static_cast<int>(nle);
+  a.capacity = static_cast<int>(cap);
+  a.rank = static_cast<int>(rank);
+  a.ep = static_cast<int>(ep);
+  a.num_comm = static_cast<int>(num_comm);
+  a.num_compute = static_cast<int>(num_compute);
+  a.minibatch_rows = static_cast<int>(minibatch_rows);
+  a.timeout_ns = timeout_ns_of(timeout_s);
+  c10::cuda::CUDAGuard guard(x.device());
+  check(mok::launch_bwd_megakernel(a, current_stream()));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(megatron_mok, m) {
@@ -604,6 +713,14 @@ TORCH_LIBRARY(megatron_mok, m) {
   m.def(
       "bwd_epilogue_wait(Tensor slots, Tensor dw_slots, Tensor? shared_dx, Tensor(a!) dx, Tensor(b!) dprobs, "
       "Tensor state, Tensor(c!) errors, int[] peer_flags, int rank, float timeout_s) -> ()");
+  m.def(
+      "bwd_megakernel(Tensor grad_out, Tensor x, Tensor fc1, Tensor fc2, Tensor? shared_fc1, Tensor? shared_fc2, "
+      "Tensor row_src_rank, Tensor row_src_slot, Tensor expert_counts, Tensor expert_offsets, Tensor? shared_seg, "
+      "Tensor x_routed, Tensor act, Tensor h, Tensor y_routed, Tensor? shared_act, Tensor? shared_h, Tensor(a!) dy, "
+      "Tensor(b!) dh, Tensor(c!) dx_rows, Tensor(d!) dfc1, Tensor(e!) dfc2, Tensor(f!)? dhs, Tensor(g!)? shared_dx, "
+      "Tensor(h!)? dsfc1, Tensor(i!)? dsfc2, Tensor(j!) counters, Tensor(k!) state, Tensor(l!) errors, int[] peer_g, "
+      "int[] peer_p, int[] peer_dw, int[] peer_slots, int[] peer_flags, int rank, int topk, int num_comm, "
+      "int num_compute, int minibatch_rows, float timeout_s) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
@@ -627,6 +744,7 @@ TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("zero_empty_segments", &zero_empty_segments);
   m.impl("bwd_push", &bwd_push);
   m.impl("bwd_epilogue_wait", &bwd_epilogue_wait);
+  m.impl("bwd_megakernel", &bwd_megakernel);
 }
 
 // `import megatron_mok._C` loads this library (and with it the registrations above); the module

@@ -25,8 +25,9 @@ class MoKConfig:
     """Knobs of one mok MoE layer pass.
 
     fwd_comm_sms: SMs of the forward megakernel that pull-dispatch tokens before they compute (1-64).
-    bwd_comm_sms: SMs (4 CTAs each) of the backward's pull, push and row-gather kernels (1-132); the
-        rest can run the shared expert's backward on its side stream meanwhile.
+    bwd_comm_sms: CTAs of the backward megakernel that pull grad_out rows before they compute
+        (1-132); the staged backward (MOK_BWD_KERNEL=staged) gives its pull, push and row-gather
+        kernels 4 CTAs per such SM, and the shared expert's side stream the rest.
     minibatch_rows: routed rows per compute/communication overlap step (multiple of ROW_ALIGN); the
         megakernel overlaps in minibatch_rows / 256 token chunks of up to 256 rows (at least one).
     capacity_factor: fraction of the worst case (every token of every rank routed here) that the

@@ -93,13 +93,16 @@ class _Comm:
         self.route_buf, self.route_ptrs = self.buffer(
             "routing", (2, ws.ep_size, ws.num_tokens, ws.topk), torch.int32)
         self._counters: dict = {}
+        # the shared expert as one segment of the expert-major backward GEMMs: offsets [0, T], count [T]
+        self.shared_seg = torch.tensor([0, ws.num_tokens, ws.num_tokens], dtype=torch.int32, device=ws.device)
 
-    def counters(self, n: int) -> torch.Tensor:
-        """Local int32 ready counters of the megakernel: zero at creation, zeroed again by the last
-        CTA of every launch (so graph replays start from zero)."""
-        if n not in self._counters:
-            self._counters[n] = torch.zeros((n,), dtype=torch.int32, device=self.ws.device)
-        return self._counters[n]
+    def counters(self, n: int, kernel: str = "fwd") -> torch.Tensor:
+        """Local int32 ready counters of a megakernel ("fwd" or "bwd", one buffer each): zero at
+        creation, zeroed again by the last CTA of every launch (so graph replays start from zero)."""
+        key = (kernel, n)
+        if key not in self._counters:
+            self._counters[key] = torch.zeros((n,), dtype=torch.int32, device=self.ws.device)
+        return self._counters[key]
 
     def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, init_zero: bool = False):
         key = (name, tuple(shape), dtype)
@@ -388,8 +391,39 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[key]
 
 
+def _bwd_kernel() -> str:
+    """MOK_BWD_KERNEL: "staged" (default) runs the backward as one launch per step, "mega" as one
+    persistent kernel (``ops.bwd_megakernel``); the same bits (read per call: the A/B switch).
+    Staged is the default because it measured faster (docs/KERNELS.md, sixth session)."""
+    v = os.environ.get("MOK_BWD_KERNEL", "staged")
+    if v not in ("mega", "staged"):
+        raise ValueError(f"megatron_mok: MOK_BWD_KERNEL must be 'mega' or 'staged', got {v!r}")
+    return v
+
+
+def _shared_backward_mok(c: _Comm, ctx, g, x, shared_fc1, shared_fc2):
+    """(dsfc1, dsfc2, shared_dx) of the shared expert on mok's expert-major GEMMs, the shared expert
+    being one segment of T rows: the kernels and bits of the backward megakernel's shared tasks."""
+    shared_fc1, shared_fc2 = shared_fc1.contiguous(), shared_fc2.contiguous()
+    T, H, Is = g.shape[0], g.shape[1], shared_fc1.shape[0] // 2
+    offs, count = c.shared_seg[:2], c.shared_seg[2:]
+    bf16 = dict(dtype=torch.bfloat16, device=g.device)
+    hs = ctx.shared_h if ctx.shared_h is not None else _recompute_gate_up(x, shared_fc1, None)
+    dhs = torch.empty((T, 2 * Is), **bf16)
+    ops.expert_dgrad(g, shared_fc2.view(1, H, Is), offs, count, dhs, h=hs)
+    del hs
+    shared_dx = torch.empty((T, H), **bf16)
+    ops.expert_dgrad(dhs, shared_fc1.view(1, 2 * Is, H), offs, count, shared_dx)
+    dsfc2 = torch.empty((1, H, Is), **bf16)
+    ops.expert_wgrad(g, offs, ctx.shared_act, offs, count, dsfc2)
+    dsfc1 = torch.empty((1, 2 * Is, H), **bf16)
+    ops.expert_wgrad(dhs, offs, x, offs, count, dsfc1)
+    return dsfc1[0], dsfc2[0], shared_dx
+
+
 def _shared_backward(ctx, g, x, shared_fc1, shared_fc2):
-    """(dsfc1, dsfc2, shared_dx) of the shared expert (cuBLAS, bf16 in, fp32 accumulate)."""
+    """(dsfc1, dsfc2, shared_dx) of the shared expert (cuBLAS, bf16 in, fp32 accumulate): the path
+    of MOK_BWD_GEMM=torch."""
     shared_fc1, shared_fc2 = shared_fc1.contiguous(), shared_fc2.contiguous()
     T, Is = g.shape[0], shared_fc1.shape[0] // 2
     hs = ctx.shared_h if ctx.shared_h is not None else _recompute_gate_up(x, shared_fc1, None)
@@ -408,14 +442,23 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     """Gradients of one layer on the device. Returns ``functional.MoKGrads``.
 
     No host sync and no data-dependent shapes (CUDA-graph capturable once the workspace's buffers
-    exist). Per rank, on the current stream:
+    exist). Two implementations with the same bits (``MOK_BWD_KERNEL``, read per call):
+
+    * ``"mega"``, 3 launches: ``bwd_publish`` (step 1), ``bwd_megakernel`` (steps 2-5 as
+      one persistent kernel: its first ``comm_ctas`` CTAs (0: ``cfg.bwd_comm_sms``) pull while the
+      others run the shared expert's tasks, then everything runs as tasks behind device counters,
+      the dx rows pushed by pusher warps; csrc/kernels/bwd_megakernel.cu), ``bwd_epilogue_wait``
+      (step 6); plus the gate/up recompute when the forward did not keep it. More than 511 local
+      experts run the staged launches;
+    * ``"staged"`` (default: measured faster), one launch per step, per rank, on the current stream:
 
     1. ``bwd_publish``: grad_out and probs into this rank's symmetric buffers, device barrier;
     2. ``bwd_pull``: every routed row pulls its grad_out row and router weight from the source rank,
        ``dy = w * g`` (bf16, the forward's padded rows; padding rows 0), and pushes ``<g, y_routed>``
        (the router-weight gradient, fp32, fixed order) into the source's symmetric ``[T * k]`` buffer;
-    3. shared expert (cuBLAS, bf16 in, fp32 accumulate): on a side stream launched after the pull,
-       joined before step 6 (``MOK_BWD_OVERLAP=0``: on the caller's stream after step 4);
+    3. shared expert (mok's expert-major GEMMs, one segment of T rows): on a side stream launched
+       after the pull, joined before step 6 (``MOK_BWD_OVERLAP=0``: on the caller's stream after
+       step 4);
     4. routed dgrad, the critical path to the push: ``h = x_routed @ fc1[e]^T`` from the context (or,
        when the forward did not keep it, recomputed by the forward's SwiGLU GEMM: the same bits),
        ``dh = swiglu_backward(h, dy @ fc2[e])`` and ``dx_rows = dh @ fc1[e]`` (``expert_dgrad``, the
@@ -427,17 +470,18 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     6. ``bwd_epilogue_wait``: closes the barrier, ``dx[t] = sum_s slot[t, s]`` in slot order in fp32
        ``+`` shared dx, cast once; ``dprobs`` copied out of the symmetric buffer.
 
-    Which stream runs what changes no bit: every kernel's inputs and reduction order are the same.
-    ``MOK_BWD_GEMM=torch`` (and more than 512 local experts) runs steps 4-5 on ``torch._grouped_mm``
-    in a tight row layout instead (``bwd_tight_map``: each expert's rows padded to
-    ``ops.TIGHT_ALIGN``, not 128; ``swiglu_backward``; ``gather_rows`` of act and x_routed;
-    ``zero_empty_segments``).
+    Which stream or kernel runs what changes no bit: every task's inputs and reduction order are
+    the same. ``MOK_BWD_GEMM=torch`` (and more than 512 local experts) runs the staged steps, 4-5 on
+    ``torch._grouped_mm`` and the shared expert on cuBLAS, in a tight row layout instead
+    (``bwd_tight_map``: each expert's rows padded to ``ops.TIGHT_ALIGN``, not 128;
+    ``swiglu_backward``; ``gather_rows`` of act and x_routed; ``zero_empty_segments``).
 
     Weight gradients come back in bf16 (fp32 accumulation inside each GEMM, one rounding; autograd
     casts them to the weights' dtype anyway); with ``main_grads`` they are added into those fp32
     tensors and the matching fields are None. ``ctx``: the forward's ``KernelContext`` (None:
-    recomputed here; a ``ReferenceContext``: the reference backward runs). ``comm_ctas``: CTAs of
-    the pull, push and gather kernels (0: ``4 * cfg.bwd_comm_sms``); it changes no bit. ``path``
+    recomputed here; a ``ReferenceContext``: the reference backward runs). ``comm_ctas``: mega: the
+    pulling CTAs (0: ``cfg.bwd_comm_sms``); staged: CTAs of the pull, push and gather kernels (0:
+    ``4 * cfg.bwd_comm_sms``); it changes no bit. ``path``
     (default ``MOK_BACKWARD``): ``"cuda"`` or ``"reference"``.
     """
     from .functional import MoKGrads
@@ -456,7 +500,9 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     c = _comm(ws)
     T, H, k, cap = ws.num_tokens, ws.hidden, ws.topk, sched.capacity
     I = fc1.shape[1] // 2
-    comm_ctas = comm_ctas or 4 * cfg.bwd_comm_sms
+    nle = sched.expert_counts.numel()
+    kernel = _bwd_kernel()
+    on_torch = _bwd_gemms_on_torch() or nle > ops.EXPERT_GEMM_MAX_SEGMENTS
     bf16 = dict(dtype=torch.bfloat16, device=ws.device)
     fc1, fc2 = fc1.contiguous(), fc2.contiguous()
     g = _aligned(grad_out)
@@ -468,14 +514,42 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     slots, slot_ptrs = c.buffer("bwd_dx_slots", (T * k, H), torch.bfloat16)
     dwbuf, dw_ptrs = c.buffer("bwd_dprobs_slots", (T * k,), torch.float32)
     ops.bwd_publish(g, gbuf, probs.contiguous(), pbuf, c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
+    dx = torch.empty((T, H), **bf16)
+    dprobs = torch.empty((T, k), dtype=torch.float32, device=ws.device)
+
+    # steps 2-5 in one persistent launch (more local experts than its prefix holds: the staged
+    # launches, with the same bits)
+    if kernel == "mega" and not on_torch and nle <= ops.BWD_MEGAKERNEL_MAX_EXPERTS:
+        h = ctx.h if ctx.h is not None else _recompute_gate_up(ctx.x_routed, fc1, sched)
+        dy, dh, dx_rows = (torch.empty((cap, n), **bf16) for n in (H, 2 * I, H))
+        dfc1, dfc2 = torch.empty_like(fc1), torch.empty_like(fc2)
+        dsfc1 = dsfc2 = shared_dx = shared_h = dhs = seg = None
+        if shared_fc1 is not None:
+            shared_fc1, shared_fc2 = shared_fc1.contiguous(), shared_fc2.contiguous()
+            shared_h = ctx.shared_h if ctx.shared_h is not None else _recompute_gate_up(x, shared_fc1, None)
+            dhs = torch.empty((T, shared_fc1.shape[0]), **bf16)
+            shared_dx = torch.empty((T, H), **bf16)
+            dsfc1, dsfc2 = torch.empty_like(shared_fc1), torch.empty_like(shared_fc2)
+            seg = c.shared_seg
+        ops.bwd_megakernel(g, x, fc1, fc2, shared_fc1, shared_fc2, sched.row_src_rank, sched.row_src_slot,
+                           sched.expert_counts, sched.expert_offsets, seg, ctx.x_routed, ctx.act, h, ctx.y_routed,
+                           ctx.shared_act if shared_fc1 is not None else None, shared_h, dy, dh, dx_rows, dfc1, dfc2,
+                           dhs, shared_dx, dsfc1, dsfc2, c.counters(ops.megakernel_counter_ints(cap, T), "bwd"),
+                           c.state, ws.errors, g_ptrs, p_ptrs, dw_ptrs, slot_ptrs, c.flag_ptrs, ws.rank, k,
+                           comm_ctas if comm_ctas > 0 else cfg.bwd_comm_sms, 0, cfg.minibatch_rows,
+                           min(cfg.peer_timeout_s, MEGA_WATCHDOG_S))
+        del h, shared_h, dy, dh, dx_rows, dhs
+        ops.bwd_epilogue_wait(slots, dwbuf, shared_dx, dx, dprobs, c.state, ws.errors, c.flag_ptrs, ws.rank,
+                              cfg.peer_timeout_s)
+        wgrads = _accumulate([dfc1, dfc2, dsfc1, dsfc2], main_grads)
+        return MoKGrads(dx.to(x.dtype), dprobs, *wgrads)
 
     # 2. pull dy = w * g into the routed rows; the router-weight gradient is pushed to its source
     # slot. mok's GEMMs skip padding rows, so they keep the forward's padded layout (no gathers);
     # torch._grouped_mm computes every row of a group, so it gets the tight layout (groups padded to
     # TIGHT_ALIGN rows, not 128)
-    nle = sched.expert_counts.numel()
+    comm_ctas = comm_ctas or 4 * cfg.bwd_comm_sms
     counts, offsets = sched.expert_counts, sched.expert_offsets
-    on_torch = _bwd_gemms_on_torch() or nle > ops.EXPERT_GEMM_MAX_SEGMENTS
     row_offs, trow = offsets, None
     if on_torch:
         row_offs = torch.empty((nle + 1,), dtype=torch.int32, device=ws.device)
@@ -488,10 +562,16 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     # 3. the shared expert needs only g: with MOK_BWD_OVERLAP (default on) it runs on a side stream
     # launched after the pull, filling the SMs the NVLink-bound pull and the routed chain leave idle
     side = _side_stream(ws.device) if shared_fc1 is not None and _bwd_overlap_enabled() else None
+
+    def shared_backward():
+        if on_torch:
+            return _shared_backward(ctx, g, x, shared_fc1, shared_fc2)
+        return _shared_backward_mok(c, ctx, g, x, shared_fc1, shared_fc2)
+
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(ws.device))
         with torch.cuda.stream(side):
-            shared = _shared_backward(ctx, g, x, shared_fc1, shared_fc2)
+            shared = shared_backward()
 
     # 4. routed dgrad first (the critical path to the push): h = x_routed @ fc1[e]^T from the context
     # (or recomputed by the forward's SwiGLU GEMM: the same bits), da = dy @ fc2[e],
@@ -517,7 +597,7 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
                  comm_ctas, trow=trow)
     del dx_rows
     if shared_fc1 is not None and side is None:
-        shared = _shared_backward(ctx, g, x, shared_fc1, shared_fc2)
+        shared = shared_backward()
     if on_torch:  # act and x_routed gathered into the tight layout first
         act_t = torch.empty((cap, I), **bf16)
         ops.gather_rows(ctx.act, act_t, trow, row_offs, comm_ctas)
@@ -547,8 +627,6 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
         dsfc1, dsfc2, shared_dx = shared
 
     # 6. close the barrier; fixed-order slot sum + shared dx; dprobs out of the symmetric buffer
-    dx = torch.empty((T, H), **bf16)
-    dprobs = torch.empty((T, k), dtype=torch.float32, device=ws.device)
     ops.bwd_epilogue_wait(slots, dwbuf, shared_dx, dx, dprobs, c.state, ws.errors, c.flag_ptrs, ws.rank,
                           cfg.peer_timeout_s)
     wgrads = _accumulate([dfc1, dfc2, dsfc1, dsfc2], main_grads)

@@ -20,11 +20,14 @@ _LOAD_ERROR: str | None = None
 
 # Must match kChunk in csrc/kernels/schedule.cu (tokens per block of the schedule passes).
 SCHEDULE_CHUNK = 256
-# Must match csrc/kernels/megakernel.cu: kHeader ints, then 2 per routed m-tile, 1 per shared m-tile.
+# Must match csrc/kernels/persistent.cuh (kHeader ints), then (megakernel.cu, bwd_megakernel.cu) 2
+# per routed m-tile, 1 per shared m-tile.
 MEGA_COUNTER_HEADER = 4
 ROW_TILE = 128
 # Must match xgemm::kMaxSeg in csrc/kernels/expert_gemm.cuh: segments (local experts) per launch.
 EXPERT_GEMM_MAX_SEGMENTS = 512
+# Must match kMaxPrefix - 1 in csrc/kernels/bwd_megakernel.cu (its chunk prefix fills exactly 2 KB).
+BWD_MEGAKERNEL_MAX_EXPERTS = 511
 
 
 def _load() -> bool:
@@ -60,7 +63,7 @@ def _register_fakes() -> None:
                  "combine", "moe_epilogue", "moe_epilogue_wait", "megakernel", "megakernel_timeline",
                  "bwd_publish", "bwd_pull",
                  "bwd_tight_map", "gather_rows", "swiglu_backward", "expert_dgrad", "expert_wgrad", "zero_empty_segments", "bwd_push",
-                 "bwd_epilogue_wait"):
+                 "bwd_epilogue_wait", "bwd_megakernel"):
         torch.library.register_fake(f"megatron_mok::{name}")(_noop)
 
 
@@ -76,6 +79,7 @@ def schedule_scratch_ints(ep: int, num_tokens: int, nle: int, num_experts: int) 
 
 
 def megakernel_counter_ints(capacity: int, num_tokens: int) -> int:
+    """int32 counters of the forward megakernel, and of the backward one (the same layout size)."""
     return MEGA_COUNTER_HEADER + 2 * (capacity // ROW_TILE) + math.ceil(num_tokens / ROW_TILE)
 
 
@@ -233,3 +237,21 @@ def bwd_epilogue_wait(slots, dw_slots, shared_dx, dx, dprobs, state, errors, pee
     ``dprobs = dw_slots``."""
     _ops().bwd_epilogue_wait(slots, dw_slots, shared_dx, dx, dprobs, state, errors, peer_flags, rank,
                              float(timeout_s))
+
+
+def bwd_megakernel(grad_out, x, fc1, fc2, shared_fc1, shared_fc2, row_src_rank, row_src_slot, expert_counts,
+                   expert_offsets, shared_seg, x_routed, act, h, y_routed, shared_act, shared_h, dy, dh, dx_rows, dfc1,
+                   dfc2, dhs, shared_dx, dsfc1, dsfc2, counters, state, errors, peer_g: list[int], peer_p: list[int],
+                   peer_dw: list[int], peer_slots: list[int], peer_flags: list[int], rank: int, topk: int,
+                   num_comm: int, num_compute: int, minibatch_rows: int, timeout_s: float) -> None:
+    """The persistent backward megakernel (csrc/kernels/bwd_megakernel.cu), between ``bwd_publish``
+    and ``bwd_epilogue_wait``: pull of dy (+ router-weight gradients into the sources' slots),
+    routed and shared dgrads with the SwiGLU backward fused, push of the dx rows into the sources'
+    slots, routed and shared weight gradients, and the opening half of the closing barrier. The
+    shared-expert tensors (``shared_fc1`` .. ``dsfc2``, ``shared_seg`` = int32 ``[0, T, T]``) are all
+    given or all None."""
+    _ops().bwd_megakernel(grad_out, x, fc1, fc2, shared_fc1, shared_fc2, row_src_rank, row_src_slot, expert_counts,
+                          expert_offsets, shared_seg, x_routed, act, h, y_routed, shared_act, shared_h, dy, dh,
+                          dx_rows, dfc1, dfc2, dhs, shared_dx, dsfc1, dsfc2, counters, state, errors, peer_g, peer_p,
+                          peer_dw, peer_slots, peer_flags, rank, topk, num_comm, num_compute, minibatch_rows,
+                          float(timeout_s))

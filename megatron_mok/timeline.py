@@ -1,4 +1,4 @@
-"""Where the forward megakernel's time goes: a summary of its per-task timeline.
+"""Where a megakernel's time goes (forward or backward): a summary of its per-task timeline.
 
 ``ops.megakernel_timeline(records)`` makes the megakernel stamp every task (a GEMM tile, or a pair
 of tiles on a 2-CTA cluster) with %globaltimer: claimed by the producer, dependencies met, first
@@ -14,6 +14,9 @@ import torch
 
 FIELDS = ("claim_ns", "ready_ns", "start_ns", "end_ns", "sm", "kind", "m_unit", "n_tile")
 KINDS = ("shared_up", "shared_down", "routed_up", "routed_down")
+# The backward megakernel's kinds (csrc/kernels/bwd_megakernel.cu: Kind).
+BWD_KINDS = ("shared_dgrad_down", "shared_wgrad_down", "dgrad_down", "dgrad_up", "shared_dgrad_up", "shared_wgrad_up",
+             "wgrad_down", "wgrad_up")
 DISPATCH_RECORDS = 1024  # must match kMaxTimelineRoles in csrc/kernels/megakernel.cu
 
 
@@ -26,8 +29,9 @@ def _us_at(ns: torch.Tensor, t0: int) -> float:
     return round((int(ns) - t0) / 1e3, 2)
 
 
-def summarize(records: torch.Tensor, bins: int = 16) -> dict:
-    """Summary of one launch. Times in microseconds from the first stamp of the launch.
+def summarize(records: torch.Tensor, bins: int = 16, kinds: tuple = KINDS) -> dict:
+    """Summary of one launch. Times in microseconds from the first stamp of the launch. ``kinds``:
+    the kernel's task kind names (``KINDS`` forward, ``BWD_KINDS`` backward).
 
     ``leader_time``: the sum over the SMs that ran tasks (the first CTA of each cluster) of the
     launch span, split into ``busy`` (first stage full -> epilogue done), ``between`` (epilogue done
@@ -57,7 +61,7 @@ def summarize(records: torch.Tensor, bins: int = 16) -> dict:
         out["dispatch"] = {"ctas": int(disp.shape[0]), "first_start_us": _us_at(disp[:, 0].min(), t0),
                            "last_end_us": _us_at(disp[:, 1].max(), t0), "mean_us": round(float(d.float().mean()) / 1e3, 2)}
     per_kind = {}
-    for k, name in enumerate(KINDS):
+    for k, name in enumerate(kinds):
         sel = tasks[tasks[:, 5] == k]
         if sel.numel() == 0:
             continue
@@ -89,7 +93,7 @@ def summarize(records: torch.Tensor, bins: int = 16) -> dict:
                           "tail": round(tail / total, 4)}
     edges = torch.linspace(t0, t_end, bins + 1, dtype=torch.float64)
     by_bin = {}
-    for k, name in enumerate(KINDS):
+    for k, name in enumerate(kinds):
         sel = tasks[tasks[:, 5] == k]
         if sel.numel() == 0:
             continue

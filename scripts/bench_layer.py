@@ -41,8 +41,9 @@ Timing: CUDA events around every iteration on every rank, warm-up first; the rep
 median over iterations of the per-iteration maximum over ranks. Forward FLOPs per rank =
 6 T k H I + 6 T H Is. The roofline is an 8192^3 bf16 matmul measured in the same run.
 --breakdown (mok) also times each launch of the staged forward, once as is and once with --ab-env.
---timeline (forward, mok and its variants) runs one more forward with the megakernel's per-task
-stamps on (ops.megakernel_timeline) and stores megatron_mok.timeline.summarize of every rank.
+--timeline (mok and its megakernel variants) runs one more step with the megakernels' per-task
+stamps on (ops.megakernel_timeline; forward, or the backward megakernel with --pass bwd) and stores
+megatron_mok.timeline.summarize of every rank.
 --kernels runs 5 more iterations of every backend under the torch profiler and stores rank 0's GPU
 time per iteration by kernel name and category (scripts/trace_summary.py's categories).
 Correctness gate first: mok against the fp32 reference (megatron_mok.reference) at T=256 with the
@@ -261,7 +262,8 @@ def kernel_times(step, iters: int = 5, top: int = 12) -> dict:
 
 
 def mok_timeline(step) -> list[dict]:
-    """One more forward with the megakernel's per-task stamps on; the summary of every rank."""
+    """One more step (forward, or backward: the step runs only the backward) with the megakernels'
+    per-task stamps on; the summary of every rank."""
     from megatron_mok import ops, timeline
 
     records = timeline.new_records(1 << 17, torch.device("cuda", torch.cuda.current_device()))
@@ -273,7 +275,8 @@ def mok_timeline(step) -> list[dict]:
     finally:
         ops.megakernel_timeline(None)
     summaries = [None] * dist.get_world_size()
-    dist.all_gather_object(summaries, timeline.summarize(records))
+    dist.all_gather_object(summaries, timeline.summarize(records, kinds=timeline.BWD_KINDS if PASS == "bwd"
+                                                         else timeline.KINDS))
     return summaries
 
 
@@ -792,7 +795,8 @@ def run_cases(args, backends, dev) -> list[dict]:
                             + ", ".join(f"{k} {v:.3f}" for k, v in row["kernels"]["by_category"].items()))
                         for kern in row["kernels"]["top"]:
                             log(f"    {kern['ms']:8.3f}  {kern['name'][:100]}")
-                    if args.timeline and PASS == "fwd" and be != "mok_staged" and be.startswith("mok"):
+                    if args.timeline and be != "mok_staged" and be.startswith("mok") \
+                            and "MOK_BWD_KERNEL=staged" not in be and "MOK_FORWARD=staged" not in be:
                         row["timeline"] = mok_timeline(step)
                         t = row["timeline"][0]
                         log(f"  timeline rank 0: span {t['span_us']} us, SM time {t['leader_time']}, "
@@ -893,7 +897,7 @@ def main() -> None:
     p.add_argument("--kernels", action="store_true",
                    help="GPU time per kernel of each backend (torch profiler, 5 iterations, rank 0)")
     p.add_argument("--timeline", action="store_true",
-                   help="forward: one more run of each mok backend with the megakernel's per-task timeline")
+                   help="one more run of each mok megakernel backend with the per-task timeline (forward or backward)")
     p.add_argument("--ab-env", default="=".join(AB_ENV),
                    help="NAME=VALUE of a kernel switch (same bits) for the mok_ab backend and --breakdown's second run")
     p.add_argument("--_child-out", dest="child_out", default=None, help=argparse.SUPPRESS)

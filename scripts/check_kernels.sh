@@ -42,7 +42,7 @@ fi
 
 NVCC_FLAGS=(-gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr
             -Xptxas -v -I"$ROOT/csrc" -I"$ROOT/csrc/kernels" -I"$CUT")
-GEMM_FILES=(grouped_gemm megakernel)   # kernels that must use wgmma and must not spill
+GEMM_FILES=(grouped_gemm megakernel bwd_megakernel)   # kernels that must use wgmma and must not spill
 status=0
 printf '%-16s %8s  %s\n' file seconds result
 for src in "$ROOT"/csrc/kernels/*.cu; do

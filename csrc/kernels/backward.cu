@@ -26,12 +26,12 @@
 #include <algorithm>
 
 #include "barrier.cuh"
+#include "bwd_pull.cuh"
 #include "swiglu.cuh"
 
 namespace mok {
 namespace {
 
-constexpr int kUnroll = 4;
 constexpr int kMapThreads = 1024;  // one thread per local expert in the tight-map scan
 
 // ---- tight layout map --------------------------------------------------------------------------
@@ -114,58 +114,10 @@ __global__ void bwd_pull_kernel(const int* __restrict__ row_src_rank, const int*
   const int total = min(expert_offsets[nle], capacity);
   const int lane = threadIdx.x % 32;
   const int warps = gridDim.x * (blockDim.x / 32);
-  const int n16 = H / 8;
   for (int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; t < total; t += warps) {
-    uint4* dst = reinterpret_cast<uint4*>(dy + static_cast<int64_t>(t) * H);
     const int row = trow ? trow[t] : t;  // padded row: schedule and y_routed index
-    const int src = row < 0 ? -1 : row_src_rank[row];
-    if (src < 0) {  // padding row: zero, so it adds nothing to the weight gradients
-      for (int c = lane; c < n16; c += 32) st16(dst + c, make_uint4(0, 0, 0, 0));
-      continue;
-    }
-    const int slot = row_src_slot[row];
-    const int token = slot / k;
-    const float w = static_cast<const float*>(p_bufs.p[src])[slot];
-    const uint4* gs =
-        reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(g_bufs.p[src]) + static_cast<int64_t>(token) * H);
-    const uint4* ys = reinterpret_cast<const uint4*>(y + static_cast<int64_t>(row) * H);
-    float acc = 0.f;
-    int c = lane;
-    for (; c + 32 * (kUnroll - 1) < n16; c += 32 * kUnroll) {
-      uint4 gv[kUnroll], yv[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        gv[u] = ld16(gs + c + 32 * u);
-        yv[u] = ld16(ys + c + 32 * u);
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        float gf[8], yf[8], o[8];
-        unpack8(gv[u], gf);
-        unpack8(yv[u], yf);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          acc = __fadd_rn(acc, __fmul_rn(gf[j], yf[j]));
-          o[j] = __fmul_rn(w, gf[j]);
-        }
-        st16(dst + c + 32 * u, pack8(o));
-      }
-    }
-    for (; c < n16; c += 32) {
-      float gf[8], yf[8], o[8];
-      unpack8(ld16(gs + c), gf);
-      unpack8(ld16(ys + c), yf);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        acc = __fadd_rn(acc, __fmul_rn(gf[j], yf[j]));
-        o[j] = __fmul_rn(w, gf[j]);
-      }
-      st16(dst + c, pack8(o));
-    }
-    // butterfly: a + b == b + a bitwise, so every lane ends with the same value, in a fixed order
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, off));
-    if (lane == 0) static_cast<float*>(dw_bufs.p[src])[slot] = acc;
+    pull_grad_row(row, dy + static_cast<int64_t>(t) * H, row_src_rank, row_src_slot, g_bufs, p_bufs, dw_bufs, y, H, k,
+                  lane);
   }
 }
 

@@ -72,6 +72,7 @@ constexpr int kOffStaging = kStages * (kWBytes + kXBytes);
 constexpr int kOffBarriers = kOffStaging + 2 * kStageBytesPerWG;
 
 struct Smem {
+  static constexpr int kStages = xgemm::kStages;
   uint8_t* base;
   __device__ __forceinline__ uint8_t* w(int s) const { return base + s * kWBytes; }
   __device__ __forceinline__ uint8_t* x(int s) const { return base + kStages * kWBytes + s * kXBytes; }
@@ -194,8 +195,8 @@ __device__ __forceinline__ void produce_task(const Params& p, const CUtensorMap*
                           : (kSwiGLU ? (t.seg * p.w_rows_per_seg + t.block * (WM / 2)) / 8
                                      : t.seg * p.w_rows_per_seg + t.block * WM);
   for (int kb = 0; kb < nk; ++kb, ++it) {
-    const int s = it % kStages;
-    gemm::ring_wait<kWatch>(sm.empty(s), ((it / kStages) & 1) ^ 1, w);
+    const int s = it % Ring::kStages;
+    gemm::ring_wait<kWatch>(sm.empty(s), ((it / Ring::kStages) & 1) ^ 1, w);
     if (stage_tag != nullptr && kb == 0) stage_tag[s] = tag;
     mbar_arrive_expect_tx(sm.full(s), kWBytes + nbox * kXBox * BK * 2);
     if constexpr (kWMN) {
@@ -254,8 +255,8 @@ __device__ __forceinline__ void mma_task(const Params& p, const Ring& sm, int cw
   const int nk = (p.K + BK - 1) / BK;
   int prev = -1;
   for (int kb = 0; kb < nk; ++kb, ++it) {
-    const int s = it % kStages;
-    gemm::ring_wait<kWatch>(sm.full(s), (it / kStages) & 1, w);
+    const int s = it % Ring::kStages;
+    gemm::ring_wait<kWatch>(sm.full(s), (it / Ring::kStages) & 1, w);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
@@ -280,8 +281,8 @@ template <bool kWatch, bool kPaired, class Ring>
 __device__ __forceinline__ void skip_task(const Params& p, const Ring& sm, uint32_t& it, const Watchdog* w) {
   const int nk = (p.K + BK - 1) / BK;
   for (int kb = 0; kb < nk; ++kb, ++it) {
-    const int s = it % kStages;
-    gemm::ring_wait<kWatch>(sm.full(s), (it / kStages) & 1, w);
+    const int s = it % Ring::kStages;
+    gemm::ring_wait<kWatch>(sm.full(s), (it / Ring::kStages) & 1, w);
     gemm::release_stage<kPaired>(sm.empty(s));
   }
 }

@@ -22,6 +22,8 @@
 // (expert_gemm's staging tile, 16-byte stores from the consumers, 4 stages; the A/B switch).
 #pragma once
 
+#include <algorithm>
+
 #include "expert_gemm.cuh"
 
 namespace mok {
@@ -83,15 +85,29 @@ __device__ __forceinline__ Task decode(const Params& p, int u) {
   return Task{u / per, (u % per) / p.n_blocks, u % p.n_blocks};
 }
 
-template <class Ring>
+// Producer thread. Megakernel (kWatch): waits under the watchdog, and `tag` goes to stage_tag[s]
+// of the task's first stage before it is armed (stage_tag null: a task inside a group, the
+// consumers know of it already); a task without rows still takes one stage, armed without bytes,
+// so that the consumers learn of it (mma_task consumes it).
+template <bool kWatch = false, class Ring>
 __device__ __forceinline__ void produce_task(const Params& p, const CUtensorMap* tmA, const CUtensorMap* tmB,
-                                             const Ring& sm, const Task& t, uint32_t& it) {
+                                             const Ring& sm, const Task& t, uint32_t& it, const Watchdog* w = nullptr,
+                                             volatile int* stage_tag = nullptr, int tag = 0) {
   constexpr int kStages = Ring::kStages;
   const int nk = (k_rows(p, t.seg) + BK - 1) / BK;
   const int a0 = p.a_offsets[t.seg], b0 = p.b_offsets[t.seg];
+  if (kWatch && nk == 0) {
+    const int s = it % kStages;
+    gemm::ring_wait<true>(sm.empty(s), ((it / kStages) & 1) ^ 1, w);
+    if (stage_tag != nullptr) stage_tag[s] = tag;
+    mbar_arrive(sm.full(s));
+    ++it;
+    return;
+  }
   for (int kb = 0; kb < nk; ++kb, ++it) {
     const int s = it % kStages;
-    gemm::ring_wait<false>(sm.empty(s), ((it / kStages) & 1) ^ 1, nullptr);
+    gemm::ring_wait<kWatch>(sm.empty(s), ((it / kStages) & 1) ^ 1, w);
+    if (kWatch && kb == 0 && stage_tag != nullptr) stage_tag[s] = tag;
     mbar_arrive_expect_tx(sm.full(s), kABytes + kBBytes);
 #pragma unroll
     for (int i = 0; i < 2; ++i)
@@ -131,16 +147,24 @@ __device__ __forceinline__ void tail_stage(const Ring& sm, int s, int cw, float 
 }
 
 // Consumer warpgroup cw: dW rows 64 cw .. 64 cw + 63 of the task against its 256 columns.
-template <class Ring>
+// kWatch (megakernel): waits under the watchdog; a task without rows consumes its empty stage.
+template <bool kWatch = false, class Ring>
 __device__ __forceinline__ void mma_task(const Params& p, const Ring& sm, int cw, const Task& t, float (&acc)[128],
-                                         uint32_t& it) {
+                                         uint32_t& it, const Watchdog* w = nullptr) {
   constexpr int kStages = Ring::kStages;
   const int kr = k_rows(p, t.seg);  // 0 for an expert without rows: store_task writes zeros
   const int full = kr / BK, tail = (kr % BK) / 16;
+  if (kWatch && kr == 0) {
+    const int s = it % kStages;
+    gemm::ring_wait<true>(sm.full(s), (it / kStages) & 1, w);
+    gemm::release_stage<false>(sm.empty(s));
+    ++it;
+    return;
+  }
   int prev = -1;
   for (int kb = 0; kb < full; ++kb, ++it) {
     const int s = it % kStages;
-    gemm::ring_wait<false>(sm.full(s), (it / kStages) & 1, nullptr);
+    gemm::ring_wait<kWatch>(sm.full(s), (it / kStages) & 1, w);
     issue_groups<4>(sm, s, cw, acc, kb > 0);
     gemm::commit_and_release_previous<false>(prev, [&](int i) { return sm.empty(i); });
     prev = s;
@@ -151,7 +175,7 @@ __device__ __forceinline__ void mma_task(const Params& p, const Ring& sm, int cw
     // the last stage holds 1-3 16-row groups of the expert: one straight-line sequence per count,
     // with nothing in flight across the branch
     const int s = it % kStages;
-    gemm::ring_wait<false>(sm.full(s), (it / kStages) & 1, nullptr);
+    gemm::ring_wait<kWatch>(sm.full(s), (it / kStages) & 1, w);
     if (tail == 1) tail_stage<1>(sm, s, cw, acc, full > 0);
     else if (tail == 2) tail_stage<2>(sm, s, cw, acc, full > 0);
     else tail_stage<3>(sm, s, cw, acc, full > 0);
@@ -162,6 +186,32 @@ __device__ __forceinline__ void mma_task(const Params& p, const Ring& sm, int cw
 }
 
 // Accumulator layout: acc[4 g + 2 s + h] holds dW row 16 w + l / 4 + 8 s, column 8 g + 2 q + h.
+
+constexpr int kBoxBytes = 64 * 128;  // a [64 rows][64 columns] bf16 box of the TMA-store epilogues
+
+// Columns 64 sl .. 64 sl + 63 of the warpgroup's 64 x 256 half into one swizzled [64][64] box
+// (128-byte rows, 16-byte chunk c of row r at c ^ (r % 8), the TMA SWIZZLE_128B layout), or zeros:
+// tiles (g, 0), (g, 1), (g + 1, 0), (g + 1, 1) per instruction; lane 8 m + i addresses row
+// 16 w + 8 (m % 2) + i, 16-byte chunk g8 + m / 2 of the slice.
+__device__ __forceinline__ void stage_box(uint32_t box, const float (&acc)[128], int sl, int w, int lane, bool zero) {
+  if (zero) {
+    for (int i = threadIdx.x % 128; i < kBoxBytes / 16; i += 128)
+      asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};" ::"r"(box + 16 * i), "r"(0) : "memory");
+    return;
+  }
+#pragma unroll
+  for (int g8 = 0; g8 < 8; g8 += 2) {
+    const int g = 8 * sl + g8;
+    const int m = lane / 8;
+    const int row = 16 * w + 8 * (m % 2) + lane % 8;
+    const int chunk = g8 + m / 2;
+    xgemm::stmatrix_x4<false>(box + row * 128 + ((chunk ^ (row % 8)) << 4),
+                              gemm::bf16x2_bits(acc[4 * g], acc[4 * g + 1]),
+                              gemm::bf16x2_bits(acc[4 * g + 2], acc[4 * g + 3]),
+                              gemm::bf16x2_bits(acc[4 * g + 4], acc[4 * g + 5]),
+                              gemm::bf16x2_bits(acc[4 * g + 6], acc[4 * g + 7]));
+  }
+}
 
 // TMA stores: the warpgroup's 64 x 256 half as four swizzled [64 rows][64 columns] boxes (128-byte
 // rows, 16-byte chunk c of row r at c ^ (r % 8), the TMA SWIZZLE_128B layout), stored into out
@@ -175,30 +225,42 @@ __device__ __forceinline__ void store_task_tma(const Params& p, const Ring& sm, 
   const uint32_t boxes = smem_u32(sm.out(cw));
   if (tid == 0) bulk_wait_read_all();  // TMA has read the previous task's boxes
   warpgroup_bar_sync(bar);
-  if (k_rows(p, t.seg) == 0) {  // an expert without rows: exact zeros, the accumulators unread
-    for (int i = tid; i < Ring::kOutPerWG / 16; i += 128)
-      asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};" ::"r"(boxes + 16 * i), "r"(0) : "memory");
-  } else {
-    // tiles (g, 0), (g, 1), (g + 1, 0), (g + 1, 1) per instruction; lane 8 m + i addresses row
-    // 16 w + 8 (m % 2) + i, 16-byte chunk g + m / 2 of the 256 columns (box (g + m / 2) / 8)
+  const bool zero = k_rows(p, t.seg) == 0;  // an expert without rows: exact zeros, the accumulators unread
 #pragma unroll
-    for (int g = 0; g < WN / 8; g += 2) {
-      const int m = lane / 8;
-      const int row = 16 * w + 8 * (m % 2) + lane % 8;
-      const int chunk = g + m / 2;
-      xgemm::stmatrix_x4<false>(boxes + (chunk / 8) * (64 * 128) + row * 128 + (((chunk % 8) ^ (row % 8)) << 4),
-                  gemm::bf16x2_bits(acc[4 * g], acc[4 * g + 1]), gemm::bf16x2_bits(acc[4 * g + 2], acc[4 * g + 3]),
-                  gemm::bf16x2_bits(acc[4 * g + 4], acc[4 * g + 5]),
-                  gemm::bf16x2_bits(acc[4 * g + 6], acc[4 * g + 7]));
-    }
-  }
+  for (int sl = 0; sl < WN / 64; ++sl) stage_box(boxes + sl * kBoxBytes, acc, sl, w, lane, zero);
   fence_proxy_async_shared();
   warpgroup_bar_sync(bar);
   if (tid == 0) {
 #pragma unroll
     for (int i = 0; i < WN / 64; ++i)
-      tma_store_3d(tmOut, sm.out(cw) + i * (64 * 128), t.nb * WN + 64 * i, t.mb * WM + cw * 64, t.seg);
+      tma_store_3d(tmOut, sm.out(cw) + i * kBoxBytes, t.nb * WN + 64 * i, t.mb * WM + cw * 64, t.seg);
     bulk_commit_group();
+  }
+}
+
+// The same stores through two boxes per warpgroup (the backward megakernel, whose 4-stage ring
+// leaves room for no more): slice sl goes through box sl % 2 once TMA has read that box's previous
+// slice; the warpgroup then goes on while TMA stores the last two. Every thread of the warpgroup
+// calls it; thread 0 issues and tracks the stores (a bulk group per slice).
+template <class Ring>
+__device__ __forceinline__ void store_task_tma2(const Params& p, const Ring& sm, const CUtensorMap* tmOut,
+                                                const Task& t, int cw, const float (&acc)[128]) {
+  const int tid = threadIdx.x % 128;
+  const int w = tid / 32, lane = tid % 32;
+  const int bar = 2 + cw;
+  const uint32_t boxes = smem_u32(sm.out(cw));
+  const bool zero = k_rows(p, t.seg) == 0;  // an expert without rows: exact zeros, the accumulators unread
+#pragma unroll
+  for (int sl = 0; sl < WN / 64; ++sl) {
+    if (tid == 0) bulk_wait_read<1>();  // the box's previous slice has been read (the other may be in flight)
+    warpgroup_bar_sync(bar);
+    stage_box(boxes + (sl % 2) * kBoxBytes, acc, sl, w, lane, zero);
+    fence_proxy_async_shared();
+    warpgroup_bar_sync(bar);
+    if (tid == 0) {
+      tma_store_3d(tmOut, sm.out(cw) + (sl % 2) * kBoxBytes, t.nb * WN + 64 * sl, t.mb * WM + cw * 64, t.seg);
+      bulk_commit_group();
+    }
   }
 }
 
@@ -243,6 +305,39 @@ __device__ __forceinline__ void store_task_direct(const Params& p, const Ring& s
     }
     warpgroup_bar_sync(bar);
   }
+}
+
+// ---- host side -----------------------------------------------------------------------------------
+
+inline Params make_params(const int* a_offsets, const int* b_offsets, const int* counts, int nseg, int M, int N,
+                          void* out) {
+  Params p{};
+  p.a_offsets = a_offsets;
+  p.b_offsets = b_offsets;
+  p.counts = counts;
+  p.nseg = nseg;
+  p.M = M;
+  p.N = N;
+  p.m_blocks = (M + WM - 1) / WM;
+  p.n_blocks = (N + WN - 1) / WN;
+  p.out = static_cast<__nv_bfloat16*>(out);
+  return p;
+}
+
+// out viewed as [nseg][M][N] in boxes of 64 x 64 (the TMA-store epilogues; rows past M stay in
+// their expert).
+inline const char* make_out_map(CUtensorMap* map, void* out, int nseg, int M, int N) {
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(N), static_cast<cuuint64_t>(M), static_cast<cuuint64_t>(nseg)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(N) * 2, static_cast<cuuint64_t>(M) * N * 2};
+  const cuuint32_t box[3] = {64, 64, 1};
+  return encode_tmap_bf16(map, out, 3, dims, strides, box);
+}
+
+// The operands [a_rows, M] and [b_rows, N] in boxes of 64 rows (K) x 64 columns (MN-major).
+inline const char* make_operand_maps(CUtensorMap* tmA, CUtensorMap* tmB, const void* a, int64_t a_rows, int M,
+                                     const void* b, int64_t b_rows, int N) {
+  if (const char* m = make_tmap_bf16_2d(tmA, a, std::max<int64_t>(a_rows, 1), M, M, BK)) return m;
+  return make_tmap_bf16_2d(tmB, b, std::max<int64_t>(b_rows, 1), N, N, BK);
 }
 
 }  // namespace xwgrad

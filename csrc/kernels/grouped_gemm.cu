@@ -209,25 +209,10 @@ const char* launch_expert_wgrad(const void* a, int64_t a_rows, int M, const int*
   if (a_rows > (int64_t)1 << 30 || b_rows > (int64_t)1 << 30) return "mok expert_wgrad: too many rows";
   if (!aligned16(out)) return "mok expert_wgrad: out must start at a 16-byte aligned address (16-byte stores)";
   CUtensorMap tmA, tmB;
-  // [rows, M] and [rows, N]: boxes of 64 rows (K) x 64 columns (MN-major operands)
-  if (const char* m = make_tmap_bf16_2d(&tmA, a, std::max<int64_t>(a_rows, 1), M, M, xgemm::BK)) return m;
-  if (const char* m = make_tmap_bf16_2d(&tmB, b, std::max<int64_t>(b_rows, 1), N, N, xgemm::BK)) return m;
-  xwgrad::Params p{};
-  p.a_offsets = a_offsets;
-  p.b_offsets = b_offsets;
-  p.counts = counts;
-  p.nseg = nseg;
-  p.M = M;
-  p.N = N;
-  p.m_blocks = (M + xwgrad::WM - 1) / xwgrad::WM;
-  p.n_blocks = (N + xwgrad::WN - 1) / xwgrad::WN;
-  p.out = static_cast<__nv_bfloat16*>(out);
-  // out as [nseg][M][N], boxes of 64 x 64 (the TMA-store epilogue; rows past M stay in their expert)
+  if (const char* m = xwgrad::make_operand_maps(&tmA, &tmB, a, a_rows, M, b, b_rows, N)) return m;
+  const xwgrad::Params p = xwgrad::make_params(a_offsets, b_offsets, counts, nseg, M, N, out);
   CUtensorMap tmOut;
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(N), static_cast<cuuint64_t>(M), static_cast<cuuint64_t>(nseg)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(N) * 2, static_cast<cuuint64_t>(M) * N * 2};
-  const cuuint32_t box[3] = {64, 64, 1};
-  if (const char* m = encode_tmap_bf16(&tmOut, out, 3, dims, strides, box)) return m;
+  if (const char* m = xwgrad::make_out_map(&tmOut, out, nseg, M, N)) return m;
   const bool tma = wgrad_tma_store();
   auto kernel = tma ? expert_wgrad_kernel<true> : expert_wgrad_kernel<false>;
   const int smem = tma ? xwgrad::Smem<true>::kBytes : xwgrad::Smem<false>::kBytes;

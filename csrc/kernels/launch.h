@@ -212,9 +212,70 @@ int64_t megakernel_counter_ints(int capacity, int T);
 // minibatch_rows.
 const char* launch_megakernel(const MegaArgs& a, cudaStream_t stream);
 
-// Profiling: later megakernel launches stamp each task into `records` (int64 [num_records, 8]:
-// claimed, dependencies met, first stage full, epilogue done (%globaltimer ns), SM, kind, m-unit,
-// n-tile), the last 1024 records being the dispatching CTAs' (start, end, SM, kind -1). null: off.
+// Profiling: later megakernel launches (forward and backward) stamp each task into `records`
+// (int64 [num_records, 8]: claimed, dependencies met, first stage full, epilogue done
+// (%globaltimer ns), SM, kind, m-unit, n-tile), the last 1024 records being the dispatching or
+// pulling CTAs' (start, end, SM, kind -1). null: off.
 void set_megakernel_timeline(long long* records, int64_t num_records);
+
+// The records set_megakernel_timeline enabled (null: off) and how many of them are ticket records;
+// the backward megakernel stamps its tickets there too.
+long long* megakernel_timeline_records(int* task_records);
+
+// ---- the persistent backward megakernel (bwd_megakernel.cu) ----------------------------------
+
+struct BwdMegaArgs {
+  // inputs
+  const void* g;           // [T, H] grad_out (the shared expert's operand; bwd_publish copied it to g_bufs)
+  const void* x;           // [T, H] the layer input (the shared expert's weight gradient)
+  const void* fc1;         // [nle, 2I, H]
+  const void* fc2;         // [nle, H, I]
+  const void* shared_fc1;  // [2Is, H] or null (no shared expert)
+  const void* shared_fc2;  // [H, Is]
+  const int* row_src_rank;
+  const int* row_src_slot;
+  const int* expert_counts;
+  const int* expert_offsets;
+  const int* shared_seg;   // {0, T, T}: the shared expert as one segment (offsets [2], count [1])
+  // the forward context (padded rows)
+  const void* x_routed;    // [capacity, H]
+  const void* act;         // [capacity, I]
+  const void* h;           // [capacity, 2I] gate/up pre-activations
+  const void* y_routed;    // [capacity, H]
+  const void* shared_act;  // [T, Is]
+  const void* shared_h;    // [T, 2Is]
+  // outputs and scratch
+  void* dy;         // [capacity, H]
+  void* dh;         // [capacity, 2I]
+  void* dx_rows;    // [capacity, H] (pushed into the sources' slots)
+  void* dfc1;       // [nle, 2I, H]
+  void* dfc2;       // [nle, H, I]
+  void* dhs;        // [T, 2Is]
+  void* shared_dx;  // [T, H]
+  void* dsfc1;      // [2Is, H]
+  void* dsfc2;      // [H, Is]
+  int* counters;    // bwd_megakernel_counter_ints(...) int32, zero before the first launch
+  int* state;
+  int* errors;
+  PeerPtrs g_bufs;     // symmetric grad_out [T, H] of every rank
+  PeerPtrs p_bufs;     // symmetric probs [T, k]
+  PeerPtrs dw_bufs;    // symmetric router-weight gradient slots [T * k]
+  PeerPtrs slot_bufs;  // symmetric dx slots [T * k, H]
+  PeerPtrs flags;      // symmetric barrier buffers
+  int T, H, I, Is, k, nle, capacity, rank, ep;
+  int num_comm;        // CTAs that pull first (then compute)
+  int num_compute;     // other CTAs (0: one per remaining SM)
+  int minibatch_rows;  // multiple of 128
+  uint64_t timeout_ns;  // watchdog of every wait inside the kernel
+};
+
+int64_t bwd_megakernel_counter_ints(int capacity, int T);
+
+// One launch between bwd_publish and bwd_epilogue (with wait_flags): the pull of dy (and the
+// router-weight gradients into the sources' slots), the routed and shared dgrads (SwiGLU backward
+// fused), the push of the dx rows into the sources' slots, the routed and shared weight gradients,
+// and the opening half of the closing barrier. The same bits as the staged backward kernels for
+// every num_comm / num_compute / minibatch_rows.
+const char* launch_bwd_megakernel(const BwdMegaArgs& a, cudaStream_t stream);
 
 }  // namespace mok

@@ -40,9 +40,7 @@
 // errors[kErrKernelStall] = 1 + rank and an abort flag, and the kernel ends instead of hanging.
 #include <stdlib.h>
 
-#include "barrier.cuh"
-#include "expert_gemm.cuh"
-#include "grouped_gemm.cuh"
+#include "persistent.cuh"
 
 namespace mok {
 namespace {
@@ -51,19 +49,28 @@ using gemm::BM;
 using gemm::BN;
 using gemm::kStages;
 using gemm::kThreads;
+using persistent::ExpertRing;
+using persistent::PushQueue;
+using persistent::kPushSlots;
+using persistent::kTicket;
+using persistent::kRole;
+using persistent::kHeader;
+using persistent::push_enqueue;
+using persistent::smid;
+using persistent::wait_counter;
+using persistent::watchdog;
+using persistent::timeline_record;
+using persistent::kMaxTimelineRoles;
+using namespace persistent::timeline;
 
-constexpr int kWarps = kThreads / 32;           // 12
-constexpr int kUnitRows = 8;                    // rows a dispatching warp copies before it signals
-constexpr int kUnitsPerTile = BM / kUnitRows;   // 16
+using persistent::kWarps;
+using persistent::kUnitRows;       // rows a dispatching warp copies before it signals
+using persistent::kUnitsPerTile;
 constexpr int kCopyUnroll = 8;                  // 16-byte loads in flight per lane
 constexpr int kMailbox = 8;                     // task mailbox slots (> kStages + 1: never overrun)
-constexpr int kPushSlots = 4;                   // queued y pushes per CTA
-constexpr int kPusherWarps = 3;                 // warps 1-3 of the producer warpgroup
-constexpr int kPushBatch = 4;                   // rows a pusher warp has in flight
-constexpr int kMaxTimelineRoles = 1024;         // dispatching-CTA records at the end of a timeline
 
-// Counter buffer: header, then ready[max_mtiles], up_done[max_mtiles], sup_done[shared_mtiles].
-enum Counter : int { kTicket = 0, kRole = 1, kExit = 2, kAbort = 3, kHeader = 4 };
+// Counter buffer: header (persistent.cuh), then ready[max_mtiles], up_done[max_mtiles],
+// sup_done[shared_mtiles].
 enum Kind : int { kSharedUp = 0, kSharedDown = 1, kRoutedUp = 2, kRoutedDown = 3 };
 
 struct TMaps {
@@ -96,21 +103,6 @@ struct Params {
   int timeline_tasks;   // task records in timeline (tasks past it are not recorded)
 };
 
-// Timeline record (set_megakernel_timeline): %globaltimer stamps of one task, written by the
-// cluster's first CTA: claimed by the producer, dependencies met, first stage full at consumer
-// warpgroup 0, its epilogue done; then the SM, kind, m-unit and n-tile. A dispatching CTA's record
-// (after the task records, by role) holds its start and end in the first two fields, kind -1.
-enum TimelineField : int { kClaimNs = 0, kReadyNs, kStartNs, kEndNs, kSm, kKind, kMUnit, kNTile, kTimelineFields };
-
-__device__ __forceinline__ long long* timeline_record(const Params& p, int index) {
-  return p.timeline + static_cast<int64_t>(index) * kTimelineFields;
-}
-
-__device__ __forceinline__ long long smid() {
-  uint32_t id;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
-  return id;
-}
 
 struct Task {
   int kind, m, n;
@@ -120,10 +112,6 @@ __device__ __forceinline__ int* ready_ctr(const Params& p, int m) { return p.cou
 __device__ __forceinline__ int* up_done_ctr(const Params& p, int m) { return p.counters + kHeader + p.max_mtiles + m; }
 __device__ __forceinline__ int* sup_done_ctr(const Params& p, int m) {
   return p.counters + kHeader + 2 * p.max_mtiles + m;
-}
-
-__device__ __forceinline__ Watchdog watchdog(const Params& p) {
-  return Watchdog{p.counters + kAbort, p.errors, p.timeout_ns, 1 + p.rank};
 }
 
 // Routed rows that exist this launch (device value; a multiple of BM).
@@ -181,30 +169,6 @@ __device__ __forceinline__ bool routed_task(const Params& p, const int* prefix, 
   if (i >= xg.n_blocks * count) return false;
   *out = xgemm::decode_window(xg, prefix, g0, count, i, chunk);
   return true;
-}
-
-// The megakernel's ring as expert_gemm.cuh sees it (the same stage layout as grouped_gemm.cuh's).
-struct ExpertRing {
-  const gemm::Smem& sm;
-  __nv_bfloat16* staging_base;
-  __device__ __forceinline__ uint8_t* w(int s) const { return sm.a(s); }
-  __device__ __forceinline__ uint8_t* x(int s) const { return sm.b(s); }
-  __device__ __forceinline__ uint64_t* full(int s) const { return &sm.full[s]; }
-  __device__ __forceinline__ uint64_t* empty(int s) const { return &sm.empty[s]; }
-  __device__ __forceinline__ __nv_bfloat16* staging(int cw) const {
-    return staging_base + cw * (64 * xgemm::kStageStride);
-  }
-};
-
-// Spin until *ctr >= target (acquire), then order the async proxy (TMA) behind it.
-__device__ __forceinline__ void wait_counter(const int* ctr, int target, const Watchdog& w) {
-  if (ld_acquire_gpu(ctr) < target) {
-    const uint64_t t0 = globaltimer_ns();
-    uint32_t spins = 0;
-    while (ld_acquire_gpu(ctr) < target)
-      if (watchdog_expired(w, t0, spins)) break;
-  }
-  fence_proxy_async_global();
 }
 
 // ---- comm role: pull-dispatch -------------------------------------------------------------------
@@ -335,94 +299,7 @@ __device__ void producer(const Params& p, const TMaps& tm, const gemm::Smem& sm,
     else
       xgemm::produce_task<false, true>(xg, &tm.a[tk.kind], &tm.b[tk.kind], ring, xt, it, &w, stage_task, t);
   }
-  // Sentinel: the consumers stop at a stage tagged -1 (armed without bytes).
-  const int s = it % kStages;
-  gemm::ring_wait<true>(&sm.empty[s], ((it / kStages) & 1) ^ 1, &w);
-  stage_task[s] = -1;
-  mbar_arrive(&sm.full[s]);
-}
-
-// The push queue: consumer warpgroups claim slots in order (tail), wait until the pushers freed
-// them, write the request and arrive on full[slot]; the pusher warps take slots in the same order.
-// A request {row0, rows, col0, -}: rows [row0, row0 + rows) x columns [col0, col0 + 64) of y (a
-// consumer warpgroup's part of a routed down task); row0 < 0: the warpgroup is done (sentinel).
-struct PushQueue {
-  volatile int4* req;  // [kPushSlots]
-  uint64_t* full;      // [kPushSlots], 1 arrival (the consumer warpgroup's leader)
-  uint64_t* empty;     // [kPushSlots], kPusherWarps arrivals
-  int* tail;
-};
-
-__device__ __forceinline__ void push_enqueue(const PushQueue& q, int4 r, const Watchdog& w) {
-  const uint32_t i = atomicAdd(q.tail, 1);
-  const int s = i % kPushSlots;
-  if (!mbar_wait_watch(&q.empty[s], ((i / kPushSlots) & 1) ^ 1, w)) return;  // stalled: the pushers give up too
-  q.req[s].x = r.x;
-  q.req[s].y = r.y;
-  q.req[s].z = r.z;
-  q.req[s].w = r.w;
-  mbar_arrive(&q.full[s]);
-}
-
-// Pusher warp `warp` (0..kPusherWarps-1) copies its share of a request's rows into the combine
-// slots: 4 rows per warp instruction (8 lanes x 16 bytes = a row's 64 columns), kPushBatch of those
-// in flight, loads first, then the (peer) stores.
-__device__ __forceinline__ void push_request(const Params& p, int4 r, int warp, int lane) {
-  const int row0 = r.x, rows = r.y, c0 = r.z;
-  const int n16 = min(64, p.H - c0) / 8;
-  const int sub = lane / 8, v = lane % 8;
-  const __nv_bfloat16* y = p.xg[1].out;
-  for (int i0 = warp * 4 * kPushBatch; i0 < rows; i0 += kPusherWarps * 4 * kPushBatch) {
-    int src[kPushBatch], slot[kPushBatch];
-    uint4 val[kPushBatch];
-#pragma unroll
-    for (int j = 0; j < kPushBatch; ++j) {
-      const int i = i0 + 4 * j + sub, row = row0 + i;
-      src[j] = (i < rows && v < n16) ? p.row_src_rank[row] : -1;
-      slot[j] = src[j] >= 0 ? p.row_src_slot[row] : 0;
-      if (src[j] >= 0) val[j] = __ldcg(reinterpret_cast<const uint4*>(y + static_cast<int64_t>(row) * p.H + c0) + v);
-    }
-#pragma unroll
-    for (int j = 0; j < kPushBatch; ++j)
-      if (src[j] >= 0)
-        st16(static_cast<__nv_bfloat16*>(p.comb_bufs.p[src[j]]) + static_cast<int64_t>(slot[j]) * p.H + c0 + v * 8,
-             val[j]);
-  }
-}
-
-// Named barrier over the pusher warps (ids 2 and 3 are the consumer warpgroups').
-__device__ __forceinline__ void pushers_bar_sync() {
-  asm volatile("bar.sync 4, %0;" ::"n"(kPusherWarps * 32) : "memory");
-}
-
-// The pusher warps: serve the queue until both consumer warpgroups are done, then leave as the
-// CTA's exit party: the last party of the grid zeroes the counters and opens the closing barrier.
-// A CTA's pushers leave after its consumers, which leave after its producer's last ticket claim, so
-// nothing touches the counters after the reset.
-__device__ void pushers(const Params& p, const PushQueue& q, volatile int* s_misc) {
-  const Watchdog w = watchdog(p);
-  const int warp = threadIdx.x / 32 - 1, lane = threadIdx.x % 32;
-  const int t = threadIdx.x - 32;  // 0 .. 32 kPusherWarps - 1
-  int done = 0;
-  for (uint32_t i = 0; done < 2; ++i) {
-    const int s = i % kPushSlots;
-    if (!mbar_wait_watch(&q.full[s], (i / kPushSlots) & 1, w)) break;
-    const int4 r = make_int4(q.req[s].x, q.req[s].y, q.req[s].z, q.req[s].w);
-    if (r.x < 0) ++done; else push_request(p, r, warp, lane);
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&q.empty[s]);
-  }
-  __threadfence_system();  // the pushes into the peers' slots, before the closing barrier
-  pushers_bar_sync();
-  if (t == 0) s_misc[2] = atomicAdd(p.counters + kExit, 1) == static_cast<int>(gridDim.x) - 1;
-  pushers_bar_sync();
-  if (s_misc[2] == 0) return;
-  __threadfence();
-  for (int i = t; i < p.n_counters; i += 32 * kPusherWarps) p.counters[i] = 0;
-  if (t == 0) {
-    const int epoch = barrier_next_epoch(p.state, 0);
-    barrier_arrive(p.flags, p.rank, p.ep, epoch, 0, 1);
-  }
+  persistent::arm_stop_stage(ring, it, stage_task, w);
 }
 
 // One consumer warpgroup. The two warpgroups of a CTA never wait for each other (separate named
@@ -497,13 +374,7 @@ __device__ void consumer(const Params& p, const gemm::Smem& sm, const ExpertRing
     if (rec != nullptr) rec[kEndNs] = static_cast<long long>(globaltimer_ns());
   }
 
-  // Done: wait (bounded) until the producer's last ticket claim is over, then tell the pushers.
-  {
-    const uint64_t t0 = globaltimer_ns();
-    while (s_misc[1] == 0 && globaltimer_ns() - t0 < p.timeout_ns) {
-    }
-  }
-  if (leader) push_enqueue(q, make_int4(-1, 0, 0, 0), w);
+  persistent::consumer_done(q, s_misc, p.timeout_ns, leader, w);
 }
 
 template <bool kPaired>
@@ -527,10 +398,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(&sm.empty[s], gemm::empty_arrivals(kPaired));
     }
     for (int j = 0; j < kMailbox; ++j) mbar_init(&mb.full[j], 1);
-    for (int j = 0; j < kPushSlots; ++j) {
-      mbar_init(&q.full[j], 1);
-      mbar_init(&q.empty[j], kPusherWarps);
-    }
+    persistent::init_push_queue(q);
     mbar_fence_init();
     s_misc[1] = 0;
     s_misc[3] = 0;  // push queue tail
@@ -556,23 +424,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       rec[kKind] = -1;
     }
   }
-  const int wg = threadIdx.x / 128;
-  if (wg == 0) {
-    setmaxnreg_dec<56>();  // the pusher warps need more than 40
-    if (threadIdx.x == 0) {
-      for (int i = p.shared_mtiles > 0 ? 0 : kRoutedUp; i < 4; ++i) {  // shared maps only if used
-        tma_prefetch_desc(&tm.a[i]);
-        tma_prefetch_desc(&tm.b[i]);
-      }
-      producer<kPaired>(p, tm, sm, ring, chunk_prefix, stage_task, mb);
-      s_misc[1] = 1;
-    } else if (threadIdx.x >= 32) {
-      pushers(p, q, s_misc);
-    }
-  } else {
-    setmaxnreg_inc<224>();
-    consumer<kPaired>(p, sm, ring, chunk_prefix, stage_task, wg - 1, s_misc, q);
-  }
+  persistent::run_roles(
+      p, q, s_misc,
+      [&] {
+        for (int i = p.shared_mtiles > 0 ? 0 : kRoutedUp; i < 4; ++i) {  // shared maps only if used
+          tma_prefetch_desc(&tm.a[i]);
+          tma_prefetch_desc(&tm.b[i]);
+        }
+        producer<kPaired>(p, tm, sm, ring, chunk_prefix, stage_task, mb);
+      },
+      [&](int cw) { consumer<kPaired>(p, sm, ring, chunk_prefix, stage_task, cw, s_misc, q); });
   // paired: no CTA leaves while its peer may still multicast into it or arrive on its barriers
   if constexpr (kPaired) cluster_sync();
 }
@@ -611,6 +472,11 @@ int g_timeline_tasks = 0;
 void set_megakernel_timeline(long long* records, int64_t num_records) {
   g_timeline = records;
   g_timeline_tasks = records != nullptr ? static_cast<int>(std::max<int64_t>(0, num_records - kMaxTimelineRoles)) : 0;
+}
+
+long long* megakernel_timeline_records(int* task_records) {
+  *task_records = g_timeline_tasks;
+  return g_timeline;
 }
 
 int64_t megakernel_counter_ints(int capacity, int T) {

@@ -52,7 +52,8 @@ def add_mok_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--mok-fwd-comm-sms", type=int, default=defaults.fwd_comm_sms,
                        help="SMs the forward kernel gives to token movement")
     group.add_argument("--mok-bwd-comm-sms", type=int, default=defaults.bwd_comm_sms,
-                       help="SMs (4 CTAs each) of the backward's pull, push and row-gather kernels")
+                       help="SMs (4 CTAs each) of the staged backward's pull, push and row-gather "
+                            "kernels; with MOK_BWD_KERNEL=mega, the CTAs that pull before they compute")
     group.add_argument("--mok-minibatch-rows", type=int, default=defaults.minibatch_rows,
                        help="routed rows per communication/compute overlap step")
     group.add_argument("--mok-capacity-factor", type=float, default=defaults.capacity_factor,

@@ -122,11 +122,11 @@ def check_backward_repeats(cfg, ws, sched, w, g, ref, reps: int, poison, min_emp
 
 
 def check_backward_bitwise_repeats(ws, top, w, g, comm_ctas: list, reps: int = 20) -> None:
-    """``reps`` schedule + forward + backward runs, cycling through configs, backward comm CTA counts
-    and the shared expert on a side stream or not (MOK_BWD_OVERLAP): all gradients bitwise equal to
-    the first run's."""
+    """``reps`` schedule + forward + backward runs, cycling through configs, backward comm CTA counts,
+    the persistent or staged backward (MOK_BWD_KERNEL) and, staged, the shared expert on a side
+    stream or not (MOK_BWD_OVERLAP): all gradients bitwise equal to the first run's."""
     kp = kernel_path_module()
-    overlap_before = os.environ.get("MOK_BWD_OVERLAP")
+    env_before = {name: os.environ.get(name) for name in ("MOK_BWD_OVERLAP", "MOK_BWD_KERNEL")}
     cfgs = [MoKConfig(), MoKConfig(bwd_comm_sms=1, fwd_comm_sms=2, minibatch_rows=128),
             MoKConfig(bwd_comm_sms=64, minibatch_rows=256)]
     base = None
@@ -135,13 +135,15 @@ def check_backward_bitwise_repeats(ws, top, w, g, comm_ctas: list, reps: int = 2
         sched = kp.build_schedule(c, ws, top)
         _, ctx = kp.forward(c, ws, sched, *w)
         os.environ["MOK_BWD_OVERLAP"] = "10"[(rep // len(cfgs)) % 2]
+        os.environ["MOK_BWD_KERNEL"] = ("mega", "staged")[(rep // (2 * len(cfgs))) % 2]
         try:
             got = grads_list(kp.backward(c, ws, sched, ctx, g, *w, comm_ctas=comm_ctas[rep % len(comm_ctas)]))
         finally:
-            if overlap_before is None:
-                os.environ.pop("MOK_BWD_OVERLAP", None)
-            else:
-                os.environ["MOK_BWD_OVERLAP"] = overlap_before
+            for name, value in env_before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         if base is None:
             torch.cuda.synchronize()
             base = clone_all(got)

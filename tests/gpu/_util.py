@@ -201,6 +201,28 @@ def check_forward_graph_equals_eager(cfg, ws, top, inputs, before_capture=None):
 # ---- two-rank suites ---------------------------------------------------------------------------
 
 
+def check_stalled_peer_times_out(ws, run, rank: int) -> None:
+    """Rank 0 calls ``run()`` alone (rank 1 skips it, as a stalled peer would): its device barriers
+    must give up after the workspace's peer timeout and report rank 1, not hang. Both ranks must
+    have created the buffers ``run`` uses before (a collective step)."""
+    import torch.distributed as dist
+
+    from megatron_mok.workspace import MoKPeerTimeoutError
+
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 0:
+        run()
+        torch.cuda.synchronize()
+        try:
+            ws.check_errors(blocking=True)
+        except MoKPeerTimeoutError as exc:
+            assert "rank 1" in str(exc), str(exc)
+        else:
+            raise AssertionError("no MoKPeerTimeoutError")
+    torch.cuda.synchronize()
+
+
 def make_check(lines: list):
     """``check(name, fn)``: run ``fn``, append 'PASS name [what fn returned]' or 'FAIL name: why' to
     ``lines``, then synchronize the device and all ranks."""

@@ -11,8 +11,8 @@ from megatron_mok import MoKConfig, create_workspace
 from megatron_mok.schedule import build_schedule_reference
 
 from ._bwd import (assert_bitwise, backward_case, check_backward_bitwise_repeats, check_backward_graph_equals_eager,
-                   check_backward_repeats, check_close, check_main_grads_accumulate, forward_backward, grads_list,
-                   poison_all, reference_grads)
+                   check_backward_repeats, check_close, check_main_grads_accumulate, clone_all, forward_backward,
+                   grads_list, poison_all, reference_grads)
 from ._util import SHAPES, bits, gpu_marks, make_routing, rel_err, schedules_equal
 from ._util import kernel_path_module as _kp
 
@@ -368,13 +368,56 @@ def test_backward_gemm_paths_agree(kind, monkeypatch):
         forward_backward(cfg, ws, top, w, g)
 
 
+@pytest.mark.parametrize("kind", ["random", "skewed", "one_expert", "half_empty"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_backward_megakernel_equals_staged(kind, shape, monkeypatch):
+    """The persistent backward kernel (MOK_BWD_KERNEL=mega) gives the staged launches' bits (default)
+    for every gradient, across pulling-CTA counts and minibatch sizes; a bad value is named."""
+    cfg, ws, top, w, g = _case(shape, kind, 3 * sum(shape) + len(kind))
+    kp = _kp()
+    sched = kp.build_schedule(cfg, ws, top)
+    _, ctx = kp.forward(cfg, ws, sched, *w)
+    monkeypatch.setenv("MOK_BWD_KERNEL", "staged")
+    staged = clone_all(grads_list(kp.backward(cfg, ws, sched, ctx, g, *w)))
+    monkeypatch.setenv("MOK_BWD_KERNEL", "mega")
+    for knobs in ({}, {"bwd_comm_sms": 1, "minibatch_rows": 128}, {"bwd_comm_sms": 100, "minibatch_rows": 384}):
+        poison_all(ws)
+        got = grads_list(kp.backward(cfg.replace(**knobs), ws, sched, ctx, g, *w))
+        torch.cuda.synchronize()
+        assert_bitwise(got, staged, f"mega {knobs} vs staged")
+    ws.check_errors(blocking=True)
+    monkeypatch.setenv("MOK_BWD_KERNEL", "persistent")
+    with pytest.raises(ValueError, match="MOK_BWD_KERNEL"):
+        kp.backward(cfg, ws, sched, ctx, g, *w)
+
+
+def test_backward_megakernel_many_experts_runs_staged(monkeypatch):
+    """More local experts than the persistent kernel's chunk prefix holds (511): MOK_BWD_KERNEL=mega
+    runs the staged launches instead of failing, with their bits."""
+    shape = (128, 128, 64, 64, 512, 2)
+    cfg, ws, top, w, g = _case(shape, "random", 5)
+    kp = _kp()
+    sched = kp.build_schedule(cfg, ws, top)
+    _, ctx = kp.forward(cfg, ws, sched, *w)
+    got = {}
+    for kernel in ("staged", "mega"):
+        monkeypatch.setenv("MOK_BWD_KERNEL", kernel)
+        got[kernel] = clone_all(grads_list(kp.backward(cfg, ws, sched, ctx, g, *w)))
+    torch.cuda.synchronize()
+    assert_bitwise(got["mega"], got["staged"], "512 experts: mega vs staged")
+    check_close(got["mega"], reference_grads(ws, build_schedule_reference(ws, top), *w, g))
+    ws.check_errors(blocking=True)
+
+
 def test_backward_bitwise_20_repeats_and_knobs():
     shape = (512, 512, 256, 256, 16, 4)
     _cfg, ws, top, w, g = _case(shape, "skewed", 77)
     check_backward_bitwise_repeats(ws, top, w, g, comm_ctas=[0, 1, 7, 100])
 
 
-def test_backward_cuda_graph_matches_eager():
+@pytest.mark.parametrize("kernel", ["staged", "mega"])
+def test_backward_cuda_graph_matches_eager(kernel, monkeypatch):
+    monkeypatch.setenv("MOK_BWD_KERNEL", kernel)
     shape = (384, 256, 128, 128, 8, 2)
     cfg, ws, top, w, g = _case(shape, "random", 5)
 

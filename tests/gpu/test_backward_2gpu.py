@@ -17,9 +17,9 @@ def _suite(rank: int, world: int) -> list[str]:
     from megatron_mok.schedule import build_schedule_reference
 
     from ._bwd import (assert_bitwise, backward_case, check_backward_bitwise_repeats, check_backward_graph_equals_eager,
-                       check_backward_repeats, check_main_grads_accumulate, forward_backward, poison_all,
+                       check_backward_repeats, check_main_grads_accumulate, forward_backward, grads_list, poison_all,
                        reference_grads)
-    from ._util import EP2_CASES, make_check, schedules_equal
+    from ._util import EP2_CASES, check_stalled_peer_times_out, make_check, schedules_equal
 
     dev = torch.device("cuda", rank)
     lines = []
@@ -56,12 +56,24 @@ def _suite(rank: int, world: int) -> list[str]:
 
     check("backward_bitwise_20_repeats_and_knobs", bitwise_20_and_knobs)
 
+    def with_kernel(kernel, fn):
+        """fn() with MOK_BWD_KERNEL=kernel (the staged default, or the persistent kernel)."""
+        import os
+
+        os.environ["MOK_BWD_KERNEL"] = kernel
+        try:
+            return fn()
+        finally:
+            os.environ.pop("MOK_BWD_KERNEL", None)
+
     def cuda_graph():
         cfg, ws, top, w, g = case((384, 256, 128, 128, 8, 2), "random", 5)
         check_backward_graph_equals_eager(cfg, ws, top, w, g, before_capture=dist.barrier,
                                           before_replay=lambda _outputs: sync_poison(ws))
 
-    check("forward_backward_cuda_graph_equals_eager", cuda_graph)
+    for kernel in ("staged", "mega"):
+        check(f"forward_backward_cuda_graph_equals_eager[{kernel}]",
+              lambda kernel=kernel: with_kernel(kernel, cuda_graph))
 
     def main_grads():
         cfg, ws, top, w, g = case((256, 256, 128, 128, 8, 2), "half_empty", 11)
@@ -81,6 +93,33 @@ def _suite(rank: int, world: int) -> list[str]:
         assert_bitwise([t.grad for t in leaves], direct, "autograd vs kernel_path.backward")
 
     check("autograd_uses_the_cuda_backward", autograd)
+
+    def mega_equals_staged(kind, shape):
+        cfg, ws, top, w, g = case(shape, kind, 7 + len(kind))
+        sched = kp.build_schedule(cfg, ws, top)
+        _, ctx = kp.forward(cfg, ws, sched, *w)
+        got = {}
+        for kernel in ("staged", "mega"):
+            got[kernel] = with_kernel(kernel, lambda: [None if t is None else t.clone()
+                                                       for t in grads_list(kp.backward(cfg, ws, sched, ctx, g, *w))])
+            sync_poison(ws)
+        assert_bitwise(got["mega"], got["staged"], "mega vs staged")
+        ws.check_errors(blocking=True)
+
+    for kind, shape in EP2_CASES[:4]:
+        check(f"backward_megakernel_equals_staged[{kind}-{shape}]",
+              lambda kind=kind, shape=shape: mega_equals_staged(kind, shape))
+
+    def stalled_peer():
+        from megatron_mok import MoKConfig
+
+        _, ws, top, w, g = backward_case((256, 256, 128, 128, 8, 2), "random", 3 + rank, dev, world)
+        cfg = MoKConfig(peer_timeout_s=1.0)
+        sched, ctx, _ = forward_backward(cfg, ws, top, w, g)  # creates the buffers on both ranks
+        check_stalled_peer_times_out(ws, lambda: kp.backward(cfg, ws, sched, ctx, g, *w), rank)
+
+    for kernel in ("staged", "mega"):
+        check(f"backward_stalled_peer_times_out[{kernel}]", lambda kernel=kernel: with_kernel(kernel, stalled_peer))
     return lines
 
 

@@ -14,11 +14,12 @@ def _suite(rank: int, world: int) -> list[str]:
     """Every EP=2 check; returns 'PASS name' / 'FAIL name: why' lines."""
     import torch.distributed as dist
 
-    from megatron_mok import MoKCapacityError, MoKConfig, MoKPeerTimeoutError, kernel_path as kp
+    from megatron_mok import MoKCapacityError, MoKConfig, kernel_path as kp
     from megatron_mok.schedule import build_schedule_reference
 
-    from ._util import (EP2_CASES, check_forward_bitwise_repeats, check_forward_graph_equals_eager, make_case,
-                        make_check, poison_internal, reference_out, rel_err, schedules_equal)
+    from ._util import (EP2_CASES, check_forward_bitwise_repeats, check_forward_graph_equals_eager,
+                        check_stalled_peer_times_out, make_case, make_check, poison_internal, reference_out, rel_err,
+                        schedules_equal)
 
     dev = torch.device("cuda", rank)
     lines = []
@@ -107,18 +108,7 @@ def _suite(rank: int, world: int) -> list[str]:
             (256, 256, 128, 0, 8, 2), "random", 3, dev, cfg=MoKConfig(peer_timeout_s=1.0), world=world)
         sched = kp.build_schedule(cfg, ws, top)
         kp.forward(cfg, ws, sched, x, probs, fc1, fc2)  # creates the buffers on both ranks
-        torch.cuda.synchronize()
-        dist.barrier()
-        if rank == 0:  # rank 1 skips this call
-            kp.forward(cfg, ws, sched, x, probs, fc1, fc2)
-            torch.cuda.synchronize()
-            try:
-                ws.check_errors(blocking=True)
-            except MoKPeerTimeoutError as exc:
-                assert "rank 1" in str(exc), str(exc)
-            else:
-                raise AssertionError("no MoKPeerTimeoutError")
-        torch.cuda.synchronize()
+        check_stalled_peer_times_out(ws, lambda: kp.forward(cfg, ws, sched, x, probs, fc1, fc2), rank)
 
     check("stalled_peer_times_out", stalled_peer)
     return lines
