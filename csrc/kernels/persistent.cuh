@@ -61,8 +61,8 @@ __device__ __forceinline__ void wait_counter(const int* ctr, int target, const W
   fence_proxy_async_global();
 }
 
-// The token-major ring (gemm::Smem) as expert_gemm.cuh and expert_wgrad.cuh see it: the same
-// stage layout, plus the epilogue's staging tiles (out(): the wgrad's name for them).
+// The token-major ring (gemm::Smem) as expert_gemm.cuh sees it: the same stage layout, plus the
+// epilogue's staging tiles.
 struct ExpertRing {
   static constexpr int kStages = gemm::kStages;
   const gemm::Smem& sm;
@@ -74,7 +74,6 @@ struct ExpertRing {
   __device__ __forceinline__ __nv_bfloat16* staging(int cw) const {
     return staging_base + cw * (64 * xgemm::kStageStride);
   }
-  __device__ __forceinline__ uint8_t* out(int cw) const { return reinterpret_cast<uint8_t*>(staging(cw)); }
 };
 
 // ---- the ring seen from the task loop ----------------------------------------------------------------
