@@ -493,16 +493,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // them of SMs (also when the grid is larger than the GPU).
   if (s_misc[0] < p.num_comm) {
     const int role = s_misc[0];
-    long long* rec =
-        (p.timeline != nullptr && threadIdx.x == 0) ? timeline_record(p, p.timeline_tasks + role) : nullptr;
-    if (rec != nullptr) rec[kClaimNs] = static_cast<long long>(globaltimer_ns());
-    pull_rows(p, role);
-    __syncthreads();  // the pushers' exit (below) comes after every thread's system fence
-    if (rec != nullptr) {
-      rec[kReadyNs] = static_cast<long long>(globaltimer_ns());
-      rec[kSm] = persistent::smid();
-      rec[kKind] = -1;
-    }
+    persistent::comm_phase(p, role, [&] {
+      pull_rows(p, role);
+      __syncthreads();  // the pushers' exit (below) comes after every thread's system fence
+    });
   }
   persistent::run_roles(
       p, q, s_misc,

@@ -167,29 +167,27 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
   gemm::init_ring_barriers(sm, sm.kStages);
   __syncthreads();
   const int tasks = xwgrad::num_tasks(p);
-  const int wg = threadIdx.x / 128;
-  if (wg == 0) {
-    setmaxnreg_dec<56>();
-    if (threadIdx.x == 0) {
-      tma_prefetch_desc(&tmA);
-      tma_prefetch_desc(&tmB);
-      uint32_t it = 0;
-      for (int u = blockIdx.x; u < tasks; u += gridDim.x) xwgrad::produce_task(p, &tmA, &tmB, sm, xwgrad::decode(p, u), it);
-    }
-  } else {
-    setmaxnreg_inc<224>();
-    const int cw = wg - 1;
-    float acc[128];
-    uint32_t it = 0;
-    for (int u = blockIdx.x; u < tasks; u += gridDim.x) {
-      xwgrad::mma_task(p, sm, cw, xwgrad::decode(p, u), acc, it);
-      if constexpr (kTmaStore)
-        xwgrad::store_task_tma(p, sm, &tmOut, xwgrad::decode(p, u), cw, acc);
-      else
-        xwgrad::store_task_direct(p, sm, xwgrad::decode(p, u), cw, acc);
-    }
-    if (kTmaStore && threadIdx.x % 128 == 0) bulk_wait_all();  // the boxes stay until TMA is done
-  }
+  gemm::run_roles(
+      [&] {
+        tma_prefetch_desc(&tmA);
+        tma_prefetch_desc(&tmB);
+        uint32_t it = 0;
+        for (int u = blockIdx.x; u < tasks; u += gridDim.x)
+          xwgrad::produce_task(p, &tmA, &tmB, sm, xwgrad::decode(p, u), it);
+      },
+      [] {},
+      [&](int cw) {
+        float acc[128];
+        uint32_t it = 0;
+        for (int u = blockIdx.x; u < tasks; u += gridDim.x) {
+          xwgrad::mma_task(p, sm, cw, xwgrad::decode(p, u), acc, it);
+          if constexpr (kTmaStore)
+            xwgrad::store_task_tma(p, sm, &tmOut, xwgrad::decode(p, u), cw, acc);
+          else
+            xwgrad::store_task_direct(p, sm, xwgrad::decode(p, u), cw, acc);
+        }
+        if (kTmaStore && threadIdx.x % 128 == 0) bulk_wait_all();  // the boxes stay until TMA is done
+      });
 }
 
 // MOK_WGRAD_TMA_STORE=0: the wgrad's epilogue stores from the consumers (4-stage ring), read per

@@ -127,6 +127,26 @@ __device__ __forceinline__ void init_ring_barriers(const Ring& sm, int stages) {
   }
 }
 
+// The warp-specialised roles of every GEMM kernel: warpgroup 0 drops to 56 registers a thread (40
+// spills the paired producer's pair bookkeeping, and the megakernels' pusher warps), its thread 0
+// produces and its warps 1-3 run help() (the megakernels' pushers; nothing elsewhere); warpgroups
+// 1 and 2 take 224 and consume (consume(cw), cw = 0 or 1).
+template <class Produce, class Help, class Consume>
+__device__ __forceinline__ void run_roles(Produce produce, Help help, Consume consume) {
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    setmaxnreg_dec<56>();
+    if (threadIdx.x == 0) {
+      produce();
+    } else if (threadIdx.x >= 32) {
+      help();
+    }
+  } else {
+    setmaxnreg_inc<224>();
+    consume(wg - 1);
+  }
+}
+
 // Empty-barrier arrivals per stage phase: the consumer warps of every CTA that writes the stage.
 __host__ __device__ constexpr int empty_arrivals(bool paired) { return kConsumerWarps * (paired ? 2 : 1); }
 

@@ -414,15 +414,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // starve them of SMs (also when the grid is larger than the GPU).
   const int role = kPaired ? 2 * s_misc[0] + rank : s_misc[0];
   if (role < p.num_comm) {
-    long long* rec = (p.timeline != nullptr && threadIdx.x == 0) ? timeline_record(p, p.timeline_tasks + role) : nullptr;
-    if (rec != nullptr) rec[kClaimNs] = static_cast<long long>(globaltimer_ns());
-    dispatch_rows(p, role);
-    if (p.timeline != nullptr) __syncthreads();  // all of this CTA's rows copied (role is per CTA: all threads)
-    if (rec != nullptr) {
-      rec[kReadyNs] = static_cast<long long>(globaltimer_ns());
-      rec[kSm] = smid();
-      rec[kKind] = -1;
-    }
+    persistent::comm_phase(p, role, [&] {
+      dispatch_rows(p, role);
+      if (p.timeline != nullptr) __syncthreads();  // all of this CTA's rows copied (role is per CTA: all threads)
+    });
   }
   persistent::run_roles(
       p, q, s_misc,

@@ -50,6 +50,21 @@ __device__ __forceinline__ long long smid() {
   return id;
 }
 
+// The comm phase of CTA `role` (every thread calls it): move() copies its rows; with the timeline
+// on, thread 0 stamps the phase's start and end into the role's record, after the ticket records.
+template <class P, class Move>
+__device__ __forceinline__ void comm_phase(const P& p, int role, Move move) {
+  long long* rec =
+      (p.timeline != nullptr && threadIdx.x == 0) ? timeline_record(p, p.timeline_tasks + role) : nullptr;
+  if (rec != nullptr) rec[timeline::kClaimNs] = static_cast<long long>(globaltimer_ns());
+  move();
+  if (rec != nullptr) {
+    rec[timeline::kReadyNs] = static_cast<long long>(globaltimer_ns());
+    rec[timeline::kSm] = smid();
+    rec[timeline::kKind] = -1;
+  }
+}
+
 // Spin until *ctr >= target (acquire), then order the async proxy (TMA) behind it.
 __device__ __forceinline__ void wait_counter(const int* ctr, int target, const Watchdog& w) {
   if (ld_acquire_gpu(ctr) < target) {
@@ -183,25 +198,18 @@ __device__ void pushers(const P& p, const PushQueue& q, volatile int* s_misc) {
   }
 }
 
-// The roles after the comm phase: warpgroup 0 is the producer thread (produce(): it claims tickets
-// until none is left, then s_misc[1] = 1) and the pusher warps 1-3; warpgroups 1 and 2 consume
-// (consume(cw)).
+// The roles after the comm phase (gemm::run_roles): the producer thread (produce(): it claims
+// tickets until none is left, then s_misc[1] = 1), the pusher warps 1-3 of warpgroup 0, and the
+// consumer warpgroups (consume(cw)).
 template <class P, class Produce, class Consume>
 __device__ __forceinline__ void run_roles(const P& p, const PushQueue& q, volatile int* s_misc, Produce produce,
                                           Consume consume) {
-  const int wg = threadIdx.x / 128;
-  if (wg == 0) {
-    setmaxnreg_dec<56>();  // the pusher warps need more than 40
-    if (threadIdx.x == 0) {
-      produce();
-      s_misc[1] = 1;
-    } else if (threadIdx.x >= 32) {
-      pushers(p, q, s_misc);
-    }
-  } else {
-    setmaxnreg_inc<224>();
-    consume(wg - 1);
-  }
+  gemm::run_roles(
+      [&] {
+        produce();
+        s_misc[1] = 1;
+      },
+      [&] { pushers(p, q, s_misc); }, consume);
 }
 
 // A consumer warpgroup is done: wait (bounded) until the producer's last ticket claim is over
