@@ -1,7 +1,7 @@
 """Tuning knobs of the mok MoE layer.
 
-Every knob changes only *how* the layer is computed (SM split, pipelining granularity, buffer
-sizes), never a result bit. Invalid values raise ``MoKConfigError`` naming the field.
+Every knob except ``precision`` changes only *how* the layer is computed (SM split, pipelining
+granularity, buffer sizes), never a result bit. Invalid values raise ``MoKConfigError`` naming the field.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 # A layout constant, not a knob: changing it would change the schedule, not the results.
 ROW_ALIGN = 128
 
-PRECISIONS = ("bf16",)  # block-scaled e4m3 ("fp8") is planned, not implemented
+PRECISIONS = ("bf16", "fp8")  # fp8: the routed experts' forward GEMMs in block-scaled e4m3
 
 
 class MoKConfigError(ValueError):
@@ -32,8 +32,9 @@ class MoKConfig:
         megakernel overlaps in minibatch_rows / 256 token chunks of up to 256 rows (at least one).
     capacity_factor: fraction of the worst case (every token of every rank routed here) that the
         routed-row buffer holds; 1.0 can never overflow. Overflow raises, it never drops tokens.
-    precision: "bf16", the only one the kernels run; "fp8" (block-scaled e4m3) raises: not
-        implemented yet.
+    precision: "bf16", or "fp8": the routed experts' forward GEMMs on block-scaled e4m3 operands
+        (megatron_mok/fp8.py; the staged forward launches; shared expert, backward and outputs
+        stay bf16). Unlike the other knobs it changes results (within the e4m3 quantization).
     peer_timeout_s: how long a device-side wait on a peer rank may spin before it reports a
         stalled peer instead of hanging.
     save_gate_up: keep the gate/up GEMM outputs for the backward (2 I bf16 per routed row, 2 Is
@@ -68,9 +69,6 @@ class MoKConfig:
             raise MoKConfigError(f"MoKConfig.capacity_factor must be a finite number, got {cf!r}")
         if not 0.0 < cf <= 1.0:
             raise MoKConfigError(f"MoKConfig.capacity_factor must be in (0, 1], got {cf}")
-        if self.precision == "fp8":
-            raise MoKConfigError("MoKConfig.precision 'fp8' (block-scaled e4m3) is not implemented yet; "
-                                 "the mok kernels run bf16 only")
         if self.precision not in PRECISIONS:
             raise MoKConfigError(
                 f"MoKConfig.precision must be one of {PRECISIONS}, got {self.precision!r}"

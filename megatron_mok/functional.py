@@ -13,7 +13,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import reference
+from . import fp8, reference
 from .config import MoKConfig
 from .schedule import MoKSchedule, build_schedule_reference
 from .workspace import ErrorCode, MoKInputError, MoKWorkspace
@@ -98,31 +98,62 @@ def build_schedule(cfg: MoKConfig, ws: MoKWorkspace, top_experts: torch.Tensor) 
     return build_schedule_reference(ws, top_experts)
 
 
+def quantize_expert_weights(fc1: torch.Tensor, fc2: torch.Tensor) -> fp8.FP8ExpertWeights:
+    """The routed experts' weights in block-scaled e4m3 for ``forward(..., fp8_weights=)`` with
+    ``MoKConfig(precision="fp8")``. Quantize once per weight version (e.g. per optimizer step)."""
+    fp8.check_k("fc1 (H)", fc1.shape[-1])
+    fp8.check_k("fc2 (I)", fc2.shape[-1])
+    return fp8.quantize_expert_weights(fc1, fc2)
+
+
+def _check_fp8(cfg: MoKConfig, ws: MoKWorkspace, fc1, fc2, fp8_weights) -> None:
+    if cfg.precision != "fp8":
+        if fp8_weights is not None:
+            raise MoKInputError("fp8_weights were given, but MoKConfig.precision is not 'fp8'")
+        return
+    for name, k in (("H", ws.hidden), ("I", fc1.shape[1] // 2)):
+        if k % fp8.BLOCK:
+            raise MoKInputError(f"MoKConfig.precision 'fp8' needs {name} to be a multiple of {fp8.BLOCK} "
+                                f"(the scale blocks), got {k}")
+    if fp8_weights is not None and not (isinstance(fp8_weights, fp8.FP8ExpertWeights)
+                                        and fp8_weights.matches(fc1, fc2)):
+        raise MoKInputError("fp8_weights must come from quantize_expert_weights(fc1, fc2) of these weights' shapes")
+
+
 def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1, fc2,
-            shared_fc1=None, shared_fc2=None):
-    """One MoE layer forward. Returns ``(out [T, H], ctx)``; ctx feeds ``backward``."""
+            shared_fc1=None, shared_fc2=None, fp8_weights: fp8.FP8ExpertWeights | None = None):
+    """One MoE layer forward. Returns ``(out [T, H], ctx)``; ctx feeds ``backward``.
+
+    ``MoKConfig(precision="fp8")``: the routed experts' GEMMs run on block-scaled e4m3 operands
+    (megatron_mok/fp8.py); ``fp8_weights`` (``quantize_expert_weights``) saves quantizing the
+    weights in every call. The backward stays bf16.
+    """
     check_inputs(ws, x, probs, fc1, fc2, shared_fc1, shared_fc2)
+    _check_fp8(cfg, ws, fc1, fc2, fp8_weights)
     use_kernels = _use_kernels(x)
-    if not (use_kernels and _kernel_path().checks_probs_on_device(ws, x, fc1, shared_fc1)):
+    if not (use_kernels and _kernel_path().checks_probs_on_device(ws, x, fc1, shared_fc1, precision=cfg.precision)):
         flag_nonfinite_probs(ws, probs)  # the mega kernel path checks probs in its first launch
     if use_kernels:
         if not torch.cuda.is_current_stream_capturing():
             ws.check_errors()  # sync-free: raises errors of earlier calls once their copy landed
-        return _kernel_path().forward(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2)
+        return _kernel_path().forward(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2,
+                                      fp8_weights=fp8_weights)
     if ws.ep_size > 1:
         # The probs check above only saw this rank's router weights; the reference forward's next
         # step is a collective, so every rank must raise together or the healthy ones would hang.
         dist.all_reduce(ws.errors, op=dist.ReduceOp.MAX, group=ws.group)
     ws.check_errors(blocking=True)
-    return reference.forward(ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2)
+    return reference.forward(ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, cfg.precision)
 
 
 def recompute_forward_context(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, fc1, fc2,
-                              shared_fc1=None):
+                              shared_fc1=None, fp8_weights: fp8.FP8ExpertWeights | None = None):
     """Rebuild the forward context (activation checkpointing): dispatch up to the expert outputs."""
+    _check_fp8(cfg, ws, fc1, fc2, fp8_weights)
     if _use_kernels(x):
-        return _kernel_path().recompute_forward_context(cfg, ws, sched, x, fc1, fc2, shared_fc1)
-    return reference.recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1)
+        return _kernel_path().recompute_forward_context(cfg, ws, sched, x, fc1, fc2, shared_fc1,
+                                                        fp8_weights=fp8_weights)
+    return reference.recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1, cfg.precision)
 
 
 def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out, x, probs, fc1, fc2,

@@ -45,7 +45,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from . import ops, reference
+from . import fp8, ops, reference
 from .config import MoKConfig
 from .schedule import MoKSchedule, validate_top_experts
 from .workspace import MoKWorkspace
@@ -185,8 +185,21 @@ def build_schedule(cfg: MoKConfig, ws: MoKWorkspace, top_experts: torch.Tensor) 
 # ---- forward ------------------------------------------------------------------------------------
 
 
+def _routed_experts_fp8(sched, x_routed, w8, act, h, y_routed, gemm_ctas) -> None:
+    """The routed gate/up and down GEMMs on block-scaled e4m3 operands: the dispatched rows and
+    the SwiGLU output are quantized per (row, 128 columns) up to the last segment's end; the
+    outputs (act, h, y_routed) stay bf16."""
+    end = sched.expert_offsets[-1:]
+    xq, _, xr = ops.quantize_rows_e4m3(x_routed, end)
+    ops.expert_gemm_fp8(xq, xr, w8.fc1.q, w8.fc1.ratio, sched.expert_offsets, sched.expert_counts, act, True,
+                        pre_out=h, num_ctas=gemm_ctas)
+    aq, _, ar = ops.quantize_rows_e4m3(act, end)
+    ops.expert_gemm_fp8(aq, ar, w8.fc2.q, w8.fc2.ratio, sched.expert_offsets, sched.expert_counts, y_routed, False,
+                        num_ctas=gemm_ctas)
+
+
 def _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1, *, keep_gate_up: bool, gemm_ctas=0,
-                          comm_ctas=0) -> KernelContext:
+                          comm_ctas=0, fp8_weights=None) -> KernelContext:
     """Steps 1-4 of the forward. Peers may still read this rank's x buffer afterwards: the caller
     ends with a barrier before any rank rewrites it (``forward``: before the epilogue)."""
     c = _comm(ws)
@@ -205,9 +218,13 @@ def _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1, *, keep_gate_
         ops.grouped_gemm(x.contiguous(), shared_fc1.contiguous(), None, shared_act, True, gemm_ctas, pre_out=shared_h)
     act = torch.empty((cap, I), **bf16)
     h = torch.empty((cap, 2 * I), **bf16) if keep_gate_up else None
+    y_routed = torch.empty((cap, H), **bf16)
+    if cfg.precision == "fp8":
+        _routed_experts_fp8(sched, x_routed, fp8_weights or fp8.quantize_expert_weights(fc1, fc2), act, h, y_routed,
+                            gemm_ctas)
+        return KernelContext(x_routed, act, y_routed, shared_act, h, shared_h)
     ops.grouped_gemm(x_routed, fc1.contiguous(), sched.expert_offsets, act, True, gemm_ctas, sched.expert_counts,
                      pre_out=h)
-    y_routed = torch.empty((cap, H), **bf16)
     ops.grouped_gemm(act, fc2.contiguous(), sched.expert_offsets, y_routed, False, gemm_ctas, sched.expert_counts)
     return KernelContext(x_routed, act, y_routed, shared_act, h, shared_h)
 
@@ -249,16 +266,18 @@ def _forward_mega(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, ou
     return out, KernelContext(x_routed, act, y_routed, shared_act if shared_fc1 is not None else None, h, shared_h)
 
 
-def checks_probs_on_device(ws: MoKWorkspace, x, fc1, shared_fc1=None, path: str | None = None) -> bool:
+def checks_probs_on_device(ws: MoKWorkspace, x, fc1, shared_fc1=None, path: str | None = None,
+                           precision: str = "bf16") -> bool:
     """True when ``forward`` with these arguments flags non-finite ``probs`` itself (the mega path,
-    inside ``publish_barrier``); the staged and reference paths leave that to the caller
-    (``functional.flag_nonfinite_probs``)."""
-    return (path or FORWARD_PATH) == "mega" and _unsupported_reason(ws, x, fc1, shared_fc1) is None
+    inside ``publish_barrier``); the staged (also every fp8) and reference paths leave that to the
+    caller (``functional.flag_nonfinite_probs``)."""
+    return ((path or FORWARD_PATH) == "mega" and precision != "fp8"
+            and _unsupported_reason(ws, x, fc1, shared_fc1) is None)
 
 
 def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1, fc2, shared_fc1=None,
             shared_fc2=None, *, out: torch.Tensor | None = None, gemm_ctas: int = 0, comm_ctas: int = 0,
-            path: str | None = None):
+            path: str | None = None, fp8_weights=None):
     """One layer forward on the device. Returns ``(out [T, H] bf16, KernelContext)``.
 
     ``out``: optional preallocated output (tests poison it). ``path``: ``"mega"`` or ``"staged"``
@@ -266,6 +285,9 @@ def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1,
     ``gemm_ctas`` / ``comm_ctas``: staged: CTA counts of the GEMMs and of dispatch/combine;
     mega: CTAs besides the dispatching ones, and dispatching CTAs (default
     ``cfg.fwd_comm_sms``); 0: derived from the SM count. No knob changes a result bit.
+    ``cfg.precision == "fp8"``: the routed GEMMs run block-scaled e4m3 (``fp8_weights`` from
+    ``fp8.quantize_expert_weights``, else quantized in this call) on the staged launches (the
+    megakernel runs bf16 only); the shared expert, the context and the output stay bf16.
     """
     path = path or FORWARD_PATH
     if path not in FORWARD_PATHS:
@@ -273,14 +295,14 @@ def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1,
     reason = _unsupported_reason(ws, x, fc1, shared_fc1)
     if reason is not None:
         _fallback(reason)
-        return reference.forward(ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2)
-    if path == "mega":
+        return reference.forward(ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, cfg.precision)
+    if path == "mega" and cfg.precision != "fp8":
         return _forward_mega(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, out, gemm_ctas, comm_ctas)
     c = _comm(ws)
     T, H, k = ws.num_tokens, ws.hidden, ws.topk
     comb, comb_ptrs = c.buffer("comb", (T * k, H), torch.bfloat16)
     ctx = _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1, keep_gate_up=cfg.save_gate_up,
-                                gemm_ctas=gemm_ctas, comm_ctas=comm_ctas)
+                                gemm_ctas=gemm_ctas, comm_ctas=comm_ctas, fp8_weights=fp8_weights)
     shared_y = None
     if shared_fc1 is not None:
         shared_y = torch.empty((T, H), dtype=torch.bfloat16, device=ws.device)
@@ -294,14 +316,15 @@ def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1,
     return out, ctx
 
 
-def recompute_forward_context(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, fc1, fc2, shared_fc1=None):
+def recompute_forward_context(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, fc1, fc2, shared_fc1=None,
+                              *, fp8_weights=None):
     """Dispatch and expert GEMMs again (activation checkpointing); no combine. The context keeps
     the gate/up pre-activations: it is made for the backward that follows."""
     reason = _unsupported_reason(ws, x, fc1, shared_fc1)
     if reason is not None:
         _fallback(reason)
-        return reference.recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1)
-    ctx = _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1, keep_gate_up=True)
+        return reference.recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1, cfg.precision)
+    ctx = _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1, keep_gate_up=True, fp8_weights=fp8_weights)
     c = _comm(ws)
     # Peers may still read this rank's x buffer: no rank rewrites its buffer before all are done.
     ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)

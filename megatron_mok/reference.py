@@ -17,6 +17,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from . import fp8
 from .schedule import MoKSchedule
 from .workspace import MoKWorkspace, all_gather_stacked
 
@@ -78,26 +79,44 @@ def _swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
     return torch.cat([d_gate, d_up], dim=-1)
 
 
-def recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1=None) -> ReferenceContext:
-    """Dispatch, gate/up, SwiGLU and down projection of the routed rows (no combine)."""
+def _qdq_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows rounded to ``dtype`` (what the kernels hold), then block-scaled e4m3 and back."""
+    return fp8.dequantize_rows(*fp8.quantize_rows(t.to(dtype))).to(t.dtype)
+
+
+def recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1=None, precision: str = "bf16") -> ReferenceContext:
+    """Dispatch, gate/up, SwiGLU and down projection of the routed rows (no combine).
+
+    precision "fp8": the routed GEMMs' operands go through block-scaled e4m3 as the kernels
+    quantize them (megatron_mok/fp8.py): dispatched rows, fc1, fc2 and the SwiGLU output (rounded
+    to x's dtype first). The context keeps the unquantized dispatched rows, as the kernels do.
+    """
     cd = _compute_dtype(x)
     xc = x.to(cd)
     x_routed = _pull_rows(ws, sched, xc)
     fc1_out = torch.zeros((sched.capacity, fc1.shape[1]), dtype=cd, device=x.device)
     y_routed = torch.zeros((sched.capacity, fc2.shape[1]), dtype=cd, device=x.device)
+    quant = precision == "fp8"
+    if quant:
+        w1 = fp8.quantize_weight(fc1, swiglu=True).dequantize().to(cd)
+        w2 = fp8.quantize_weight(fc2, swiglu=False).dequantize().to(cd)
     for e, start, count in _segments(sched):
         if count == 0:
             continue
         rows = slice(start, start + count)
+        if quant:
+            fc1_out[rows] = _qdq_rows(x_routed[rows], x.dtype) @ w1[e].t()
+            y_routed[rows] = _qdq_rows(_swiglu(fc1_out[rows]), x.dtype) @ w2[e].t()
+            continue
         fc1_out[rows] = x_routed[rows] @ fc1[e].to(cd).t()
         y_routed[rows] = _swiglu(fc1_out[rows]) @ fc2[e].to(cd).t()
     shared_fc1_out = xc @ shared_fc1.to(cd).t() if shared_fc1 is not None else None
     return ReferenceContext(x_routed, fc1_out, y_routed, shared_fc1_out)
 
 
-def forward(ws, sched, x, probs, fc1, fc2, shared_fc1=None, shared_fc2=None):
+def forward(ws, sched, x, probs, fc1, fc2, shared_fc1=None, shared_fc2=None, precision: str = "bf16"):
     """Returns (out [T, H] in x.dtype, ReferenceContext)."""
-    ctx = recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1)
+    ctx = recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1, precision)
     slots = _push_rows(ws, sched, ctx.y_routed).view(ws.num_tokens, ws.topk, -1)
     cd = _compute_dtype(x)
     p = probs.to(cd)

@@ -132,6 +132,7 @@ def shared_expert(c):
 
 PASS = "fwd"  # set by main(): "fwd" or "bwd"
 SAVED_BYTES: dict = {}  # backend -> bytes its forward keeps for the backward (--pass bwd)
+WEIGHT_QUANT_MS: dict = {}  # fp8 backend -> median ms of quantizing its routed weights
 
 
 def _grad_out(c, dev):
@@ -145,7 +146,10 @@ def config_overrides(backend: str) -> dict:
     out = {}
     for item in filter(None, spec.split("+")):
         key, _, value = item.partition("=")
-        out[key] = float(value) if "." in value else int(value)
+        try:
+            out[key] = float(value) if "." in value else int(value)
+        except ValueError:
+            out[key] = value  # e.g. precision=fp8
     return out
 
 
@@ -156,10 +160,19 @@ def backend_mok(c, dev, path=None, save_gate_up=True, name="mok", overrides=None
         raise RuntimeError(f"megatron_mok._C not available: {ops.load_error()}")
     cfg = MoKConfig(save_gate_up=save_gate_up, **(overrides or {}))
     ws = get_workspace(None, dev, c["T"], c["H"], c["k"], c["E"], cfg)
+    fp8_weights = None
+    if cfg.precision == "fp8":
+        # quantized once per weight version, as a training step would (its time is logged apart)
+        fp8_weights = functional.quantize_expert_weights(c["fc1"], c["fc2"])
+        ms = time_iters(lambda: functional.quantize_expert_weights(c["fc1"], c["fc2"]), 5, 1)
+        WEIGHT_QUANT_MS[name] = sorted(ms)[len(ms) // 2]
+        log(f"{name}: quantizing the routed weights to e4m3 takes {WEIGHT_QUANT_MS[name]:.3f} ms "
+            f"(once per weight version, outside the timed step)")
 
     if PASS == "bwd":
         sched = functional.build_schedule(cfg, ws, c["top"])
-        _, ctx = functional.forward(cfg, ws, sched, c["x"], c["probs"], c["fc1"], c["fc2"], c["sfc1"], c["sfc2"])
+        _, ctx = functional.forward(cfg, ws, sched, c["x"], c["probs"], c["fc1"], c["fc2"], c["sfc1"], c["sfc2"],
+                                    fp8_weights=fp8_weights)
         SAVED_BYTES[name] = ctx.nbytes()
         grad = _grad_out(c, dev)
 
@@ -176,7 +189,7 @@ def backend_mok(c, dev, path=None, save_gate_up=True, name="mok", overrides=None
         kernel_path.FORWARD_PATH = path or default
         try:
             out, _ = functional.forward(cfg, ws, sched, c["x"], c["probs"], c["fc1"], c["fc2"], c["sfc1"],
-                                        c["sfc2"])
+                                        c["sfc2"], fp8_weights=fp8_weights)
         finally:
             kernel_path.FORWARD_PATH = default
         return out
@@ -788,6 +801,8 @@ def run_cases(args, backends, dev) -> list[dict]:
                     med = ts[len(ts) // 2]
                     row.update(ms=med, ms_p10=ts[len(ts) // 10], ms_p90=ts[(9 * len(ts)) // 10], iters=len(ts),
                                tflops=flops / (med * 1e-3) / 1e12, status="ok")
+                    if be in WEIGHT_QUANT_MS:
+                        row["weight_quant_ms"] = WEIGHT_QUANT_MS[be]
                     if args.kernels:
                         row["kernels"] = kernel_times(step)
                         log(f"  kernels ({be}, rank 0, ms per iteration): busy {row['kernels']['busy_ms']:.3f}, "

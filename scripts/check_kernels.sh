@@ -42,7 +42,7 @@ fi
 
 NVCC_FLAGS=(-gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr
             -Xptxas -v -I"$ROOT/csrc" -I"$ROOT/csrc/kernels" -I"$CUT")
-GEMM_FILES=(grouped_gemm megakernel bwd_megakernel)   # kernels that must use wgmma and must not spill
+GEMM_FILES=(grouped_gemm megakernel bwd_megakernel expert_gemm_fp8)   # kernels that must use wgmma and must not spill
 status=0
 printf '%-16s %8s  %s\n' file seconds result
 for src in "$ROOT"/csrc/kernels/*.cu; do
@@ -59,15 +59,16 @@ for src in "$ROOT"/csrc/kernels/*.cu; do
       result="SPILLS"; grep -E "stack frame|spill" "$OUT/$name.log"; status=1
     elif grep -q -E "C751[0-9]" "$OUT/$name.log"; then
       result="WGMMA SERIALIZED (C751x)"; grep -E "C751[0-9]" "$OUT/$name.log"; status=1
-    elif ! "$CUOBJDUMP" --dump-sass "$OUT/$name.o" | grep -q HGMMA; then
-      result="NO HGMMA in SASS"; status=1
+    elif ! "$CUOBJDUMP" --dump-sass "$OUT/$name.o" | grep -q -E "[HQ]GMMA"; then
+      result="NO HGMMA/QGMMA in SASS"; status=1
     elif [[ $name == grouped_gemm ]] && "$CUOBJDUMP" --dump-sass "$OUT/$name.o" \
          | awk '/Function :/{n=0} /MEMBAR.ALL.GPU/{if(++n>2) bad=1} END{exit !bad}'; then
       # only the two cluster barriers (start, end) may fence at GPU scope; a fence per ring stage
       # (e.g. a .release.cluster arrival) costs ~25% of the GEMM
       result="MEMBAR.ALL.GPU in the GEMM main loop"; status=1
     else
-      result="ok (HGMMA: $("$CUOBJDUMP" --dump-sass "$OUT/$name.o" | grep -c HGMMA), $(grep -o 'Used [0-9]* registers' "$OUT/$name.log" | sort -u | tr '\n' ' '))"
+      sass="$("$CUOBJDUMP" --dump-sass "$OUT/$name.o")"
+      result="ok (HGMMA: $(grep -c HGMMA <<< "$sass"), QGMMA (e4m3): $(grep -c QGMMA <<< "$sass"), $(grep -o 'Used [0-9]* registers' "$OUT/$name.log" | sort -u | tr '\n' ' '))"
     fi
   fi
   printf '%-16s %8s  %s\n' "$name" "$secs" "$result"

@@ -74,12 +74,12 @@ run_pytest() {  # name, timeout, pytest args...
 }
 
 if stage test1; then
-  run_pytest test1 "${T1_LIMIT:-300}" tests/gpu/test_kernels_1gpu.py tests/gpu/test_backward_1gpu.py
+  run_pytest test1 "${T1_LIMIT:-300}" tests/gpu/test_kernels_1gpu.py tests/gpu/test_backward_1gpu.py tests/gpu/test_fp8_1gpu.py
   if [[ "${RESULT[test1]}" != rc=0* && -z "${MOK_GEMM_SKIP_PAD:-}" && -z "${NO_SKIP_PAD_RETRY:-}" ]]; then
     # fallback: the GEMMs compute padding rows too (same bits when correct); keep it for the rest
     export MOK_GEMM_SKIP_PAD=0
     RESULT[test1_skip_pad_on]="${RESULT[test1]}"
-    run_pytest test1 "${T1_LIMIT:-300}" tests/gpu/test_kernels_1gpu.py tests/gpu/test_backward_1gpu.py
+    run_pytest test1 "${T1_LIMIT:-300}" tests/gpu/test_kernels_1gpu.py tests/gpu/test_backward_1gpu.py tests/gpu/test_fp8_1gpu.py
     RESULT[test1]="${RESULT[test1]} [MOK_GEMM_SKIP_PAD=0]"
   fi
 fi

@@ -3,6 +3,7 @@ CPU machine, the GEMM kernels do not spill, and their SASS holds HGMMA (wgmma) i
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -22,3 +23,6 @@ def test_kernels_compile_for_sm90a_with_hgmma():
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "check_kernels: PASS" in proc.stdout
     assert "HGMMA:" in proc.stdout
+    # the e4m3 GEMM runs on e4m3 wgmma (QGMMA in SASS), not on a bf16 fallback
+    fp8_line = next(line for line in proc.stdout.splitlines() if line.startswith("expert_gemm_fp8 "))
+    assert re.search(r"QGMMA \(e4m3\): [1-9]", fp8_line), fp8_line

@@ -465,20 +465,30 @@ inline TmapEncodeFn tmap_encoder() {
   return encode;
 }
 
-// A bf16 tensor map of `rank` dims (dims[0] contiguous; byte strides of dims 1.. in strides), box
-// `box`, 128-byte swizzle, out-of-bounds elements read as zero.
-inline const char* encode_tmap_bf16(CUtensorMap* map, const void* base, cuuint32_t rank, const cuuint64_t* dims,
-                                    const cuuint64_t* strides, const cuuint32_t* box) {
+// A tensor map of `rank` dims (dims[0] contiguous; byte strides of dims 1.. in strides), box `box`,
+// out-of-bounds elements read as zero.
+inline const char* encode_tmap(CUtensorMap* map, CUtensorMapDataType dtype, CUtensorMapSwizzle swizzle,
+                               const void* base, cuuint32_t rank, const cuuint64_t* dims, const cuuint64_t* strides,
+                               const cuuint32_t* box) {
   TmapEncodeFn encode = tmap_encoder();
   if (encode == nullptr) return "mok: cannot load cuTensorMapEncodeTiled from the CUDA driver";
   if (reinterpret_cast<uintptr_t>(base) & 15) return "mok: TMA operands need 16-byte aligned addresses";
   for (cuuint32_t i = 0; i + 1 < rank; ++i)
-    if (strides[i] % 16) return "mok: TMA operands need 16-byte aligned rows (row length a multiple of 8 bf16)";
+    if (strides[i] % 16) return "mok: TMA operands need 16-byte aligned rows";
   const cuuint32_t estr[5] = {1, 1, 1, 1, 1};
-  CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(base), dims, strides, box, estr,
-                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+  CUresult r = encode(map, dtype, rank, const_cast<void*>(base), dims, strides, box, estr,
+                      CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? nullptr : "mok: cuTensorMapEncodeTiled failed";
+}
+
+// The same in bf16 with the 128-byte swizzle (every GEMM operand).
+inline const char* encode_tmap_bf16(CUtensorMap* map, const void* base, cuuint32_t rank, const cuuint64_t* dims,
+                                    const cuuint64_t* strides, const cuuint32_t* box) {
+  for (cuuint32_t i = 0; i + 1 < rank; ++i)
+    if (strides[i] % 16) return "mok: TMA operands need 16-byte aligned rows (row length a multiple of 8 bf16)";
+  return encode_tmap(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, CU_TENSOR_MAP_SWIZZLE_128B, base, rank, dims, strides,
+                     box);
 }
 
 // A 2D bf16 tensor: `rows` x `cols` (cols contiguous, row pitch `ld` elements), box {64 cols,
@@ -502,6 +512,34 @@ inline const char* make_tmap_gate_up_pairs(CUtensorMap* map, const void* base, u
   const cuuint64_t strides[3] = {k * 2, n * k * 2, 8 * k * 2};
   const cuuint32_t box[4] = {64, 8, 2, 8};
   return encode_tmap_bf16(map, base, 4, dims, strides, box);
+}
+
+// e4m3 operands (bytes): a 2D tensor `rows` x `cols` with box {128 cols, box_rows rows}, and the
+// gate/up pair map of make_tmap_gate_up_pairs with 128 K-columns per box.
+inline const char* make_tmap_e4m3_2d(CUtensorMap* map, const void* base, uint64_t rows, uint64_t cols,
+                                     uint32_t box_rows) {
+  const cuuint64_t dims[2] = {cols, rows};
+  const cuuint64_t strides[1] = {cols};
+  const cuuint32_t box[2] = {128, box_rows};
+  return encode_tmap(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, CU_TENSOR_MAP_SWIZZLE_128B, base, 2, dims, strides, box);
+}
+
+inline const char* make_tmap_gate_up_pairs_e4m3(CUtensorMap* map, const void* base, uint64_t nseg, uint64_t n,
+                                                uint64_t k) {
+  if (n % 8) return "mok: the gate/up pair map needs n a multiple of 8";
+  const cuuint64_t dims[4] = {k, 8, 2, (nseg * 2 * n - n) / 8};
+  const cuuint64_t strides[3] = {k, n * k, 8 * k};
+  const cuuint32_t box[4] = {128, 8, 2, 8};
+  return encode_tmap(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, CU_TENSOR_MAP_SWIZZLE_128B, base, 4, dims, strides, box);
+}
+
+// fp32 rows without swizzle: `rows` x `cols`, row pitch `ld` elements, box {box_cols, 1 row}.
+inline const char* make_tmap_f32_rows(CUtensorMap* map, const void* base, uint64_t rows, uint64_t cols, uint64_t ld,
+                                      uint32_t box_cols) {
+  const cuuint64_t dims[2] = {cols, rows};
+  const cuuint64_t strides[1] = {ld * 4};
+  const cuuint32_t box[2] = {box_cols, 1};
+  return encode_tmap(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, CU_TENSOR_MAP_SWIZZLE_NONE, base, 2, dims, strides, box);
 }
 
 inline int num_sms() {

@@ -80,8 +80,9 @@ def mok_config_from_args(args) -> MoKConfig:
     if getattr(args, "mok_recompute_gate_up", False):
         values["save_gate_up"] = False
     if getattr(args, "fp8", None):
-        raise MoKConfigError(f"--fp8-format {args.fp8}: --moe-backend mok runs bf16 only (block-scaled e4m3 is "
-                             "not implemented yet); drop the fp8 flags or choose --moe-backend alltoall")
+        raise MoKConfigError(f"--fp8-format {args.fp8}: --moe-backend mok runs bf16 in Megatron (its block-scaled "
+                             "e4m3 forward GEMMs, MoKConfig(precision='fp8') in megatron_mok.functional, are not "
+                             "wired to Megatron's fp8 recipe yet); drop the fp8 flags or choose --moe-backend alltoall")
     try:
         return MoKConfig(**values)
     except MoKConfigError as err:

@@ -1,0 +1,133 @@
+"""Block-scaled e4m3 ("fp8") operands of the routed expert GEMMs, in PyTorch.
+
+The recipe (DeepSeek-V3's fine-grained scaling):
+
+* token rows: one fp32 scale per (row, 128 columns), ``s = max(amax, 1e-4) / 448`` and
+  ``q = e4m3(x / s)`` (round to nearest even, saturating at 448); the CUDA quantizer
+  (``ops.quantize_rows_e4m3``) gives the same bits as ``quantize_rows`` here;
+* weights: one fp32 scale per (expert, 128-row tile, 128 columns), where the tiles are the rows
+  one GEMM task loads: rows ``128 b .. 128 b + 127`` of fc2, and gate rows ``64 b .. 64 b + 63``
+  together with the same up rows of fc1 (``[gate; up]`` layout).
+
+The GEMM kernel reads the scales as ratios between consecutive 128-column blocks (it keeps its
+accumulators in the units of the current block): ``ratio[kb] = s[kb - 1] / s[kb]`` for kb >= 1,
+``ratio[nkb] = s[nkb - 1]`` (the last scale), ``ratio[0] = 1``.
+
+Weights are quantized once per weight version by the caller (``quantize_expert_weights``): the
+layer cannot tell whether a weight changed (updates through ``.data`` do not bump the version
+counter), so it never caches them itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+BLOCK = 128
+E4M3_MAX = 448.0
+MIN_AMAX = 1e-4  # all-zero blocks (padding rows) get a finite scale
+E4M3 = torch.float8_e4m3fn
+WEIGHT_CHUNK = 8  # experts quantized per step of quantize_weight
+
+
+def _scale_of(amax: torch.Tensor) -> torch.Tensor:
+    return amax.float().clamp(min=MIN_AMAX) / E4M3_MAX
+
+
+def _to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
+def _ratios(scale: torch.Tensor) -> torch.Tensor:
+    """[..., nkb] scales -> [..., nkb + 1] ratios (see the module docstring)."""
+    ones = torch.ones_like(scale[..., :1])
+    return torch.cat([ones, scale[..., :-1] / scale[..., 1:], scale[..., -1:]], dim=-1)
+
+
+def check_k(name: str, k: int) -> None:
+    if k % BLOCK:
+        raise ValueError(f"fp8: {name} has {k} columns, not a multiple of the {BLOCK}-column scale blocks")
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, K] -> (q [rows, K] e4m3, scale [rows, K / 128] fp32)."""
+    rows, k = x.shape
+    check_k("x", k)
+    blocks = x.float().view(rows, k // BLOCK, BLOCK)
+    scale = _scale_of(blocks.abs().amax(dim=-1))
+    return _to_e4m3(blocks, scale.unsqueeze(-1)).view(rows, k), scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    rows, k = q.shape
+    return (q.float().view(rows, k // BLOCK, BLOCK) * scale.unsqueeze(-1)).view(rows, k)
+
+
+@dataclasses.dataclass
+class E4M3Weight:
+    """One stacked weight [nseg, rows, K] in e4m3 with its tile scales."""
+
+    q: torch.Tensor  # [nseg, rows, K] e4m3
+    scale: torch.Tensor  # [nseg, tiles, K / 128] fp32
+    ratio: torch.Tensor  # [nseg, tiles, K / 128 + 1] fp32 (the kernel's form)
+    swiglu: bool
+
+    def dequantize(self) -> torch.Tensor:
+        return _apply_tiles(self.q.float(), self.scale, self.swiglu, lambda blk, s: blk * s)
+
+
+def _tile_rows(w: torch.Tensor, swiglu: bool) -> int:
+    return 64 if swiglu else BLOCK
+
+
+def _apply_tiles(w: torch.Tensor, scale: torch.Tensor | None, swiglu: bool, fn):
+    """Split w [nseg, rows, K] into the tiles' [nseg, tiles, rows per tile, nkb, 128] blocks (SwiGLU:
+    gate and up halves side by side, 2 x 64 rows), apply fn(blocks, scale) or, when scale is None,
+    return the blocks' amax [nseg, tiles, nkb]."""
+    nseg, rows, k = w.shape
+    nkb = k // BLOCK
+    halves = list(w.chunk(2, dim=1)) if swiglu else [w]
+    tr = _tile_rows(w, swiglu)
+    n = halves[0].shape[1]
+    tiles = -(-n // tr)
+    padded = [torch.nn.functional.pad(h, (0, 0, 0, tiles * tr - n)).view(nseg, tiles, tr, nkb, BLOCK) for h in halves]
+    if scale is None:
+        return torch.stack([p.abs().amax(dim=(2, 4)) for p in padded]).amax(dim=0)
+    s = scale.view(nseg, tiles, 1, nkb, 1)
+    out = [fn(p, s).view(nseg, tiles * tr, k)[:, :n] for p in padded]
+    return torch.cat(out, dim=1) if swiglu else out[0]
+
+
+def quantize_weight(w: torch.Tensor, swiglu: bool) -> E4M3Weight:
+    """w [nseg, rows, K] (fc1: [gate; up] rows with swiglu=True; fc2: swiglu=False)."""
+    if w.dim() != 3:
+        raise ValueError(f"fp8: a stacked expert weight [nseg, rows, K] is expected, got {list(w.shape)}")
+    check_k("the weight", w.shape[2])
+    if swiglu and w.shape[1] % 2:
+        raise ValueError(f"fp8: fc1 rows hold [gate; up] and must be even, got {w.shape[1]}")
+    qs, scales = [], []
+    for part in w.split(WEIGHT_CHUNK):  # a few experts at a time: fp32 temporaries stay small
+        wf = part.float()
+        scale = _scale_of(_apply_tiles(wf, None, swiglu, None))
+        qs.append(_apply_tiles(wf, scale, swiglu, lambda blk, s: (blk / s).clamp(-E4M3_MAX, E4M3_MAX)).to(E4M3))
+        scales.append(scale)
+    scale = torch.cat(scales)
+    return E4M3Weight(torch.cat(qs).contiguous(), scale.contiguous(), _ratios(scale).contiguous(), swiglu)
+
+
+@dataclasses.dataclass
+class FP8ExpertWeights:
+    """The routed experts' fc1 and fc2 in e4m3 (``quantize_expert_weights``)."""
+
+    fc1: E4M3Weight
+    fc2: E4M3Weight
+
+    def matches(self, fc1: torch.Tensor, fc2: torch.Tensor) -> bool:
+        return tuple(self.fc1.q.shape) == tuple(fc1.shape) and tuple(self.fc2.q.shape) == tuple(fc2.shape)
+
+
+def quantize_expert_weights(fc1: torch.Tensor, fc2: torch.Tensor) -> FP8ExpertWeights:
+    """Quantize the routed experts' weights once per weight version (device ops, no host sync)."""
+    with torch.no_grad():
+        return FP8ExpertWeights(quantize_weight(fc1, swiglu=True), quantize_weight(fc2, swiglu=False))

@@ -1,0 +1,186 @@
+"""Single-GPU tests of the block-scaled e4m3 path: the row quantizer against megatron_mok/fp8.py
+(bit for bit), the e4m3 expert GEMM against fp64 products of the dequantized operands, and the fp8
+layer forward against the reference that quantizes at the same points."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_mok import MoKConfig, fp8, functional
+from megatron_mok.schedule import build_schedule_reference
+
+from ._util import bits, eager_before_capture, gpu_marks, make_case, poison_internal, rel_err
+from ._util import kernel_path_module as _kp
+
+pytestmark = gpu_marks()
+
+DEV = "cuda:0"
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+@pytest.mark.parametrize("rows,K", [(1, 128), (300, 384), (4097, 7168)])
+def test_quantize_rows_matches_reference_bits(rows, K):
+    from megatron_mok import ops
+
+    gen = torch.Generator().manual_seed(rows + K)
+    x = (torch.randn(rows, K, generator=gen) * torch.rand(rows, 1, generator=gen) * 50).bfloat16()
+    x[rows // 2] = 0  # a zero row: floor scale, zero bytes
+    if rows > 2:
+        x[1, :128] = 1e4  # saturating magnitudes stay finite
+    xd = x.to(DEV)
+    end = torch.tensor([max(1, rows - 7)], dtype=torch.int32, device=DEV)
+    q, scale, ratio = ops.quantize_rows_e4m3(xd)
+    q2 = torch.empty_like(q)
+    _u8(q2).fill_(0x55)
+    q2_, scale2, ratio2 = ops.quantize_rows_e4m3(xd, end)
+    torch.cuda.synchronize()
+    q_ref, s_ref = fp8.quantize_rows(x)
+    assert torch.equal(_u8(q.cpu()), _u8(q_ref)), "e4m3 bytes differ from the reference"
+    assert torch.equal(scale[:, :rows].cpu().t(), s_ref), "scales differ from the reference"
+    ratio_ref = torch.cat([torch.ones(rows, 1), s_ref[:, :-1] / s_ref[:, 1:], s_ref[:, -1:]], dim=1)
+    assert torch.equal(ratio[:, :rows].cpu().t(), ratio_ref), "ratios differ from the reference"
+    n = int(end.item())
+    assert torch.equal(_u8(q2_[:n]), _u8(q[:n])) and torch.equal(scale2[:, :n], scale[:, :n])
+
+
+def _segments(counts, K, gen):
+    padded = [(c + 127) // 128 * 128 for c in counts]
+    offs = [0]
+    for p in padded:
+        offs.append(offs[-1] + p)
+    cap = offs[-1] + 256  # rows past the last segment must stay untouched
+    a = torch.randn(cap, K, generator=gen).bfloat16()
+    for e in range(len(counts)):
+        a[offs[e] + counts[e]: offs[e + 1]] = 0  # padding rows are zero rows
+    return a, offs, cap
+
+
+@pytest.mark.parametrize("swiglu", [True, False])
+@pytest.mark.parametrize("K,N,counts", [
+    (256, 128, [130, 0, 1, 255, 256, 257, 700, 17, 48, 200, 15]),  # every chunk size class, empty experts
+    (1024, 320, [0, 0, 1000, 0]),  # all rows on one expert
+    (7168, 256, [300, 211]),  # DeepSeek-V3's K (56 scale blocks)
+])
+def test_expert_gemm_fp8_matches_dequantized_products(swiglu, K, N, counts):
+    """Real rows against fp64 products of the dequantized operands (<= 1e-2: the bf16 output
+    rounding is the only loss), padding rows +0, rows past the last segment untouched, bits
+    independent of the CTA count; and the quantization's error against bf16 operands."""
+    from megatron_mok import ops
+
+    gen = torch.Generator().manual_seed(K + N + len(counts))
+    a, offs, cap = _segments(counts, K, gen)
+    w = (torch.randn(len(counts), 2 * N if swiglu else N, K, generator=gen) / K**0.5).bfloat16()
+    qw = fp8.quantize_weight(w.to(DEV), swiglu=swiglu)
+    xq, _, xr = ops.quantize_rows_e4m3(a.to(DEV))
+    seg = torch.tensor(offs, dtype=torch.int32, device=DEV)
+    cnt = torch.tensor(counts, dtype=torch.int32, device=DEV)
+    first = None
+    for ctas in (0, 1, 5, 77):
+        out = torch.full((cap, N), float("nan"), dtype=torch.bfloat16, device=DEV)
+        h = torch.full((cap, 2 * N), float("nan"), dtype=torch.bfloat16, device=DEV) if swiglu else None
+        ops.expert_gemm_fp8(xq, xr, qw.q, qw.ratio, seg, cnt, out, swiglu, pre_out=h, num_ctas=ctas)
+        if first is None:
+            first = (out, h)
+            continue
+        assert torch.equal(bits(out), bits(first[0])), f"bits depend on the CTA count ({ctas})"
+        if swiglu:
+            assert torch.equal(bits(h), bits(first[1])), f"pre_out bits depend on the CTA count ({ctas})"
+    out, h = (t.cpu() if t is not None else None for t in first)
+    q_ref, s_ref = fp8.quantize_rows(a)
+    a_deq = fp8.dequantize_rows(q_ref, s_ref).double()
+    w_deq = qw.dequantize().cpu().double()
+    worst_vs_bf16 = 0.0
+    for e, n in enumerate(counts):
+        lo, end = offs[e], offs[e + 1]
+        if n:
+            hh = a_deq[lo:lo + n] @ w_deq[e].t()
+            ref = torch.nn.functional.silu(hh[:, :N]) * hh[:, N:] if swiglu else hh
+            assert rel_err(out[lo:lo + n], ref) < 1e-2, (e, rel_err(out[lo:lo + n], ref))
+            if swiglu:
+                assert rel_err(h[lo:lo + n], hh) < 1e-2, e
+            hb = a[lo:lo + n].double() @ w[e].double().t()
+            ref_bf16 = torch.nn.functional.silu(hb[:, :N]) * hb[:, N:] if swiglu else hb
+            worst_vs_bf16 = max(worst_vs_bf16, rel_err(out[lo:lo + n], ref_bf16))
+        assert bool((out[lo + n:end] == 0).all()), f"padding rows of expert {e} are not +0"
+        if swiglu:
+            assert bool((h[lo + n:end] == 0).all()), f"pre_out padding rows of expert {e} are not +0"
+    assert torch.isnan(out[offs[-1]:].float()).all(), "rows past the last segment were written"
+    assert worst_vs_bf16 < 8e-2, worst_vs_bf16  # e4m3's 3 mantissa bits, against unquantized operands
+
+
+FP8_SHAPES = [  # T, H, I, Is, E, k (H and I multiples of 128)
+    (256, 256, 128, 128, 8, 2),
+    (300, 384, 256, 0, 16, 4),
+    (517, 512, 384, 256, 32, 8),
+    (128, 1024, 512, 512, 4, 1),
+]
+
+
+@pytest.mark.parametrize("kind", ["random", "skewed", "one_expert", "half_empty"])
+@pytest.mark.parametrize("shape", FP8_SHAPES)
+def test_fp8_forward_matches_fp8_reference(kind, shape):
+    """The layer with MoKConfig(precision="fp8") against the reference that quantizes the same
+    operands (fp32 arithmetic), on NaN-poisoned outputs and buffers; repeats and CTA knobs give the
+    same bits; the quantization error against the bf16 layer is reported by its bound."""
+    T, H = shape[:2]
+    cfg = MoKConfig(precision="fp8")
+    cfg, ws, top, (x, probs, fc1, fc2, sfc1, sfc2), _ = make_case(shape, kind, 11 * sum(shape) + len(kind), DEV, cfg)
+    sched = _kp().build_schedule(cfg, ws, top)
+    ref_sched = build_schedule_reference(ws, top)
+    f = lambda t: None if t is None else t.float()  # noqa: E731
+    from megatron_mok import reference
+
+    ref, _ = reference.forward(ws, ref_sched, f(x), probs, f(fc1), f(fc2), f(sfc1), f(sfc2), "fp8")
+    ref_bf16, _ = reference.forward(ws, ref_sched, f(x), probs, f(fc1), f(fc2), f(sfc1), f(sfc2))
+    w8 = functional.quantize_expert_weights(fc1, fc2)
+    base = None
+    for rep, knobs in enumerate([{}, dict(gemm_ctas=1, comm_ctas=3), dict(gemm_ctas=77, comm_ctas=1), {}]):
+        out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=DEV)
+        out, ctx = _kp().forward(cfg, ws, sched, x, probs, fc1, fc2, sfc1, sfc2, out=out,
+                                 fp8_weights=w8 if rep % 2 == 0 else None, **knobs)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out.float()).all(), "output elements not written (or NaN)"
+        if base is None:
+            base = out.clone()
+            err = rel_err(out, ref)
+            assert err <= 1e-2, err
+            assert rel_err(out, ref_bf16) < 6e-2
+        else:
+            assert torch.equal(bits(out), bits(base)), f"bits differ at rep {rep} {knobs}"
+        poison_internal(ws)
+    ws.check_errors(blocking=True)
+
+
+def test_fp8_forward_cuda_graph_and_backward():
+    """Schedule + fp8 forward captured in a CUDA graph (no host sync) replays the eager bits; the
+    bf16 backward runs on the fp8 forward's context."""
+    shape = (517, 512, 384, 256, 32, 8)
+    cfg = MoKConfig(precision="fp8")
+    cfg, ws, top, inputs, _ = make_case(shape, "skewed", 5, DEV, cfg)
+    kp = _kp()
+    w8 = functional.quantize_expert_weights(inputs[2], inputs[3])
+
+    def run():
+        return kp.forward(cfg, ws, kp.build_schedule(cfg, ws, top), *inputs, fp8_weights=w8)
+
+    eager = eager_before_capture(lambda: run()[0].clone())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_g, _ = run()
+    for _ in range(3):
+        out_g.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(bits(out_g), bits(eager)), "graph replay differs from eager"
+    sched = kp.build_schedule(cfg, ws, top)
+    out, ctx = kp.forward(cfg, ws, sched, *inputs, fp8_weights=w8)
+    grad = torch.randn_like(out)
+    grads = functional.backward(cfg, ws, sched, ctx, grad, *inputs)
+    torch.cuda.synchronize()
+    for name in ("dx", "dfc1", "dfc2"):
+        assert torch.isfinite(getattr(grads, name).float()).all(), name
+    ws.check_errors(blocking=True)

@@ -1,0 +1,118 @@
+"""CPU tests of the block-scaled e4m3 recipe (megatron_mok/fp8.py) and of MoKConfig(precision="fp8")
+on the reference path: the scale blocks, the kernel's ratio form, the error against bf16, and the
+errors for inputs the fp8 GEMMs cannot take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_mok import MoKConfig, MoKInputError, fp8, functional, get_workspace, reference
+
+E4M3_REL = 2.0 ** -4  # half an e4m3 ulp (3 mantissa bits), relative
+
+
+def test_quantize_rows_scales_and_roundtrip():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 384, generator=g).to(torch.bfloat16)
+    x[1, 128:256] *= 1000.0  # one loud block: only its own scale moves
+    x[2] = 0.0  # an all-zero row (a padding row) gets the floor scale, exact zeros
+    q, s = fp8.quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (5, 3)
+    amax = x.float().view(5, 3, 128).abs().amax(-1)
+    assert torch.equal(s, amax.clamp(min=fp8.MIN_AMAX) / fp8.E4M3_MAX)
+    assert s[1, 1] > 500 * s[1, 0]
+    assert torch.equal(q[2].float(), torch.zeros(384)) and torch.all(s[2] == fp8.MIN_AMAX / fp8.E4M3_MAX)
+    # every block's largest element maps to +-448 exactly; the rest within half an e4m3 ulp
+    assert torch.all(q.float().view(5, 3, 128).abs().amax(-1)[[0, 1, 3, 4]] == fp8.E4M3_MAX)
+    back = fp8.dequantize_rows(q, s)
+    err = (back - x.float()).abs()
+    assert torch.all(err <= E4M3_REL * x.float().abs() + s.repeat_interleave(128, dim=1) * 2.0 ** -9)
+
+
+def test_quantize_rows_saturates_and_rejects_ragged_k():
+    x = torch.tensor([[448.0] + [1.0] * 127], dtype=torch.bfloat16)
+    q, s = fp8.quantize_rows(x)
+    assert s.item() == 1.0 and q[0, 0].float().item() == 448.0
+    with pytest.raises(ValueError, match="not a multiple of the 128-column scale blocks"):
+        fp8.quantize_rows(torch.zeros(2, 100))
+
+
+@pytest.mark.parametrize("swiglu", [True, False])
+def test_weight_tiles_follow_the_gemm_tasks(swiglu):
+    nseg, n, k = 2, 192, 256  # n not a multiple of the tile: a partial last tile
+    rows = 2 * n if swiglu else n
+    w = torch.ones(nseg, rows, k)
+    tile = 64 if swiglu else 128
+    # every row gets the magnitude of its tile (gate and up rows of one pair tile share one)
+    for r in range(rows):
+        b = (r % n) // tile if swiglu else r // tile
+        w[:, r] *= 2.0 ** b
+    w[1, :, 128:] *= 4.0  # second K block of expert 1 is louder
+    qw = fp8.quantize_weight(w.to(torch.bfloat16), swiglu=swiglu)
+    tiles = -(-n // tile)
+    assert qw.scale.shape == (nseg, tiles, 2) and qw.ratio.shape == (nseg, tiles, 3)
+    for b in range(tiles):
+        assert qw.scale[0, b, 0].item() == pytest.approx(2.0 ** b / 448, rel=1e-6)
+        assert qw.scale[1, b, 1].item() == pytest.approx(4 * 2.0 ** b / 448, rel=1e-6)
+    # the kernel's form: ratio[0] = 1, ratio[kb] = s[kb-1] / s[kb], ratio[nkb] = s[nkb-1]
+    assert torch.all(qw.ratio[..., 0] == 1)
+    assert torch.equal(qw.ratio[..., 1], qw.scale[..., 0] / qw.scale[..., 1])
+    assert torch.equal(qw.ratio[..., 2], qw.scale[..., 1])
+    assert torch.equal(qw.dequantize(), w)  # powers of two are exact in e4m3
+
+
+def _layer_problem(T=40, H=256, I=128, E=4, k=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    top = torch.rand(T, E, generator=g).argsort(dim=1)[:, :k]
+    top[:5] = torch.arange(k)  # a few tokens pinned: experts 0 and 1 surely hold rows
+    probs = torch.softmax(torch.randn(T, k, generator=g), dim=1)
+    fc1 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(torch.bfloat16)
+    fc2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(torch.bfloat16)
+    sfc1 = (torch.randn(2 * I, H, generator=g) / H**0.5).to(torch.bfloat16)
+    sfc2 = (torch.randn(H, I, generator=g) / I**0.5).to(torch.bfloat16)
+    return x, top, probs, fc1, fc2, sfc1, sfc2
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_reference_fp8_forward_is_close_to_bf16_and_not_equal():
+    x, top, probs, fc1, fc2, sfc1, sfc2 = _layer_problem()
+    out = {}
+    for precision in ("bf16", "fp8"):
+        cfg = MoKConfig(precision=precision)
+        ws = get_workspace(None, "cpu", x.shape[0], x.shape[1], top.shape[1], fc1.shape[0], cfg)
+        sched = functional.build_schedule(cfg, ws, top)
+        out[precision], _ = functional.forward(cfg, ws, sched, x, probs, fc1, fc2, sfc1, sfc2)
+        direct, _ = reference.forward(ws, sched, x, probs, fc1, fc2, sfc1, sfc2, precision)
+        assert torch.equal(out[precision], direct)
+    rel = _rel(out["fp8"], out["bf16"])
+    # e4m3 carries 3 mantissa bits: a few percent against bf16, well above bf16's own rounding
+    assert 5e-3 < rel < 6e-2, rel
+
+
+def test_fp8_input_errors():
+    x, top, probs, fc1, fc2, sfc1, sfc2 = _layer_problem()
+    cfg = MoKConfig(precision="fp8")
+    ws = get_workspace(None, "cpu", x.shape[0], x.shape[1], top.shape[1], fc1.shape[0], cfg)
+    sched = functional.build_schedule(cfg, ws, top)
+    w8 = functional.quantize_expert_weights(fc1, fc2)
+    out, _ = functional.forward(cfg, ws, sched, x, probs, fc1, fc2, sfc1, sfc2, fp8_weights=w8)
+    assert torch.isfinite(out.float()).all()
+    bf = MoKConfig()
+    with pytest.raises(MoKInputError, match="precision is not 'fp8'"):
+        functional.forward(bf, ws, sched, x, probs, fc1, fc2, sfc1, sfc2, fp8_weights=w8)
+    other = functional.quantize_expert_weights(fc1[:2], fc2[:2])  # two experts, not four
+    with pytest.raises(MoKInputError, match="quantize_expert_weights"):
+        functional.forward(cfg, ws, sched, x, probs, fc1, fc2, sfc1, sfc2, fp8_weights=other)
+    # H not a multiple of 128
+    x2, top2, probs2, fc1b, fc2b, _, _ = _layer_problem(H=192)
+    ws2 = get_workspace(None, "cpu", x2.shape[0], x2.shape[1], top2.shape[1], fc1b.shape[0], cfg)
+    sched2 = functional.build_schedule(cfg, ws2, top2)
+    with pytest.raises(MoKInputError, match="needs H to be a multiple of 128"):
+        functional.forward(cfg, ws2, sched2, x2, probs2, fc1b, fc2b)
+    with pytest.raises(ValueError, match="not a multiple of the 128-column scale blocks"):
+        functional.quantize_expert_weights(fc1b, fc2b)
