@@ -180,15 +180,15 @@ void grouped_gemm(const Tensor& a, const Tensor& b, const std::optional<Tensor>&
                                  static_cast<int>(N), static_cast<int>(num_ctas), current_stream()));
 }
 
-// Block-scaled e4m3 routed GEMM: x8 [rows, K] with x_ratio [K / 128 + 1, ld] (quantize_rows_e4m3),
-// w8 [nseg, swiglu ? 2 N : N, K] with w_ratio [nseg, weight tiles, K / 128 + 1].
-void expert_gemm_fp8(const Tensor& x8, const Tensor& x_ratio, const Tensor& w8, const Tensor& w_ratio,
+// Block-scaled e4m3 routed GEMM: x8 [rows, K] with x_scale [K / 128, ld >= rows] (quantize_rows_e4m3),
+// w8 [nseg, swiglu ? 2 N : N, K] with w_scale [nseg, weight tiles, K / 128] (fp8.quantize_weight).
+void expert_gemm_fp8(const Tensor& x8, const Tensor& x_scale, const Tensor& w8, const Tensor& w_scale,
                      const Tensor& seg_offsets, const Tensor& seg_counts, Tensor& out,
                      const std::optional<Tensor>& pre_out, bool swiglu, int64_t num_ctas) {
   check_cuda(x8, "x8", at::kFloat8_e4m3fn);
   check_cuda(w8, "w8", at::kFloat8_e4m3fn);
-  check_cuda(x_ratio, "x_ratio", at::kFloat);
-  check_cuda(w_ratio, "w_ratio", at::kFloat);
+  check_cuda(x_scale, "x_scale", at::kFloat);
+  check_cuda(w_scale, "w_scale", at::kFloat);
   check_cuda(out, "out", at::kBFloat16);
   check_cuda(seg_offsets, "seg_offsets", at::kInt);
   check_cuda(seg_counts, "seg_counts", at::kInt);
@@ -201,10 +201,10 @@ void expert_gemm_fp8(const Tensor& x8, const Tensor& x_ratio, const Tensor& w8, 
               swiglu ? "2 N" : "N");
   TORCH_CHECK(K % 128 == 0, "megatron_mok: expert_gemm_fp8 K must be a multiple of 128");
   const int64_t nkb = K / 128, tiles = swiglu ? (N + 63) / 64 : (N + 127) / 128;
-  TORCH_CHECK(x_ratio.dim() == 2 && x_ratio.size(0) == nkb + 1,
-              "megatron_mok: expert_gemm_fp8 x_ratio must be [K / 128 + 1, ld] (quantize_rows_e4m3)");
-  TORCH_CHECK(w_ratio.dim() == 3 && w_ratio.size(0) == nseg && w_ratio.size(1) == tiles && w_ratio.size(2) == nkb + 1,
-              "megatron_mok: expert_gemm_fp8 w_ratio must be [nseg, weight tiles, K / 128 + 1] (quantize_weights_e4m3)");
+  TORCH_CHECK(x_scale.dim() == 2 && x_scale.size(0) == nkb && x_scale.size(1) >= x8.size(0),
+              "megatron_mok: expert_gemm_fp8 x_scale must be [K / 128, ld >= rows] (quantize_rows_e4m3)");
+  TORCH_CHECK(w_scale.dim() == 3 && w_scale.size(0) == nseg && w_scale.size(1) == tiles && w_scale.size(2) == nkb,
+              "megatron_mok: expert_gemm_fp8 w_scale must be [nseg, weight tiles, K / 128] (fp8.quantize_weight)");
   TORCH_CHECK(seg_offsets.numel() == nseg + 1 && seg_counts.numel() == nseg,
               "megatron_mok: expert_gemm_fp8 needs nseg + 1 offsets and nseg counts");
   void* pre = nullptr;
@@ -216,26 +216,22 @@ void expert_gemm_fp8(const Tensor& x8, const Tensor& x_ratio, const Tensor& w8, 
     pre = pre_out->data_ptr();
   }
   c10::cuda::CUDAGuard guard(x8.device());
-  check(mok::launch_expert_gemm_fp8(swiglu, x8.data_ptr(), x8.size(0), static_cast<int>(K), x_ratio.data_ptr<float>(),
-                                    static_cast<int>(x_ratio.size(1)), w8.data_ptr(), w_ratio.data_ptr<float>(),
+  check(mok::launch_expert_gemm_fp8(swiglu, x8.data_ptr(), x8.size(0), static_cast<int>(K), x_scale.data_ptr<float>(),
+                                    static_cast<int>(x_scale.size(1)), w8.data_ptr(), w_scale.data_ptr<float>(),
                                     static_cast<int>(nseg), seg_offsets.data_ptr<int>(), seg_counts.data_ptr<int>(),
                                     out.data_ptr(), pre, static_cast<int>(N), static_cast<int>(num_ctas),
                                     current_stream()));
 }
 
-void quantize_rows_e4m3(const Tensor& x, Tensor& q, Tensor& scale, Tensor& ratio,
-                        const std::optional<Tensor>& rows_end) {
+void quantize_rows_e4m3(const Tensor& x, Tensor& q, Tensor& scale, const std::optional<Tensor>& rows_end) {
   check_cuda(x, "x", at::kBFloat16);
   check_cuda(q, "q", at::kFloat8_e4m3fn);
   check_cuda(scale, "scale", at::kFloat);
-  check_cuda(ratio, "ratio", at::kFloat);
   TORCH_CHECK(x.dim() == 2 && q.sizes() == x.sizes(), "megatron_mok: quantize_rows_e4m3 x and q must be [rows, K]");
   const int64_t K = x.size(1), nkb = K / 128;
   TORCH_CHECK(K % 128 == 0, "megatron_mok: quantize_rows_e4m3 K must be a multiple of 128");
-  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == nkb && scale.size(1) >= x.size(0),
-              "megatron_mok: quantize_rows_e4m3 scale must be [K / 128, ld >= rows]");
-  TORCH_CHECK(ratio.dim() == 2 && ratio.size(0) == nkb + 1 && ratio.size(1) == scale.size(1),
-              "megatron_mok: quantize_rows_e4m3 ratio must be [K / 128 + 1, ld] (the scale's ld)");
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == nkb && scale.size(1) >= x.size(0) && scale.size(1) % 4 == 0,
+              "megatron_mok: quantize_rows_e4m3 scale must be [K / 128, ld >= rows], ld a multiple of 4");
   const int* end = nullptr;
   if (rows_end.has_value()) {
     TORCH_CHECK(rows_end->is_cuda() && rows_end->scalar_type() == at::kInt && rows_end->numel() == 1,
@@ -244,8 +240,8 @@ void quantize_rows_e4m3(const Tensor& x, Tensor& q, Tensor& scale, Tensor& ratio
   }
   c10::cuda::CUDAGuard guard(x.device());
   check(mok::launch_quantize_rows_e4m3(x.data_ptr(), x.size(0), static_cast<int>(K), q.data_ptr(),
-                                       scale.data_ptr<float>(), ratio.data_ptr<float>(),
-                                       static_cast<int>(scale.size(1)), end, current_stream()));
+                                       scale.data_ptr<float>(), static_cast<int>(scale.size(1)), end,
+                                       current_stream()));
 }
 
 void combine(const Tensor& y, const Tensor& row_src_rank, const Tensor& row_src_slot, const Tensor& expert_offsets,
@@ -746,9 +742,9 @@ TORCH_LIBRARY(megatron_mok, m) {
       "grouped_gemm(Tensor a, Tensor b, Tensor? seg_offsets, Tensor? seg_counts, Tensor(a!) out, Tensor(b!)? pre_out, "
       "bool swiglu, int num_ctas) -> ()");
   m.def(
-      "expert_gemm_fp8(Tensor x8, Tensor x_ratio, Tensor w8, Tensor w_ratio, Tensor seg_offsets, Tensor seg_counts, "
+      "expert_gemm_fp8(Tensor x8, Tensor x_scale, Tensor w8, Tensor w_scale, Tensor seg_offsets, Tensor seg_counts, "
       "Tensor(a!) out, Tensor(b!)? pre_out, bool swiglu, int num_ctas=0) -> ()");
-  m.def("quantize_rows_e4m3(Tensor x, Tensor(a!) q, Tensor(b!) scale, Tensor(c!) ratio, Tensor? rows_end=None) -> ()");
+  m.def("quantize_rows_e4m3(Tensor x, Tensor(a!) q, Tensor(b!) scale, Tensor? rows_end=None) -> ()");
   m.def(
       "combine(Tensor y, Tensor row_src_rank, Tensor row_src_slot, Tensor expert_offsets, Tensor(a!) state, "
       "int[] peer_comb, int num_ctas) -> ()");

@@ -9,9 +9,8 @@ The recipe (DeepSeek-V3's fine-grained scaling):
   one GEMM task loads: rows ``128 b .. 128 b + 127`` of fc2, and gate rows ``64 b .. 64 b + 63``
   together with the same up rows of fc1 (``[gate; up]`` layout).
 
-The GEMM kernel reads the scales as ratios between consecutive 128-column blocks (it keeps its
-accumulators in the units of the current block): ``ratio[kb] = s[kb - 1] / s[kb]`` for kb >= 1,
-``ratio[nkb] = s[nkb - 1]`` (the last scale), ``ratio[0] = 1``.
+The GEMM sums each 128-column block afresh in the tensor cores and adds it, times its two
+scales, to fp32 accumulators (csrc/kernels/expert_gemm_fp8.cuh).
 
 Weights are quantized once per weight version by the caller (``quantize_expert_weights``): the
 layer cannot tell whether a weight changed (updates through ``.data`` do not bump the version
@@ -39,12 +38,6 @@ def _to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
-def _ratios(scale: torch.Tensor) -> torch.Tensor:
-    """[..., nkb] scales -> [..., nkb + 1] ratios (see the module docstring)."""
-    ones = torch.ones_like(scale[..., :1])
-    return torch.cat([ones, scale[..., :-1] / scale[..., 1:], scale[..., -1:]], dim=-1)
-
-
 def check_k(name: str, k: int) -> None:
     if k % BLOCK:
         raise ValueError(f"fp8: {name} has {k} columns, not a multiple of the {BLOCK}-column scale blocks")
@@ -70,7 +63,6 @@ class E4M3Weight:
 
     q: torch.Tensor  # [nseg, rows, K] e4m3
     scale: torch.Tensor  # [nseg, tiles, K / 128] fp32
-    ratio: torch.Tensor  # [nseg, tiles, K / 128 + 1] fp32 (the kernel's form)
     swiglu: bool
 
     def dequantize(self) -> torch.Tensor:
@@ -113,7 +105,7 @@ def quantize_weight(w: torch.Tensor, swiglu: bool) -> E4M3Weight:
         qs.append(_apply_tiles(wf, scale, swiglu, lambda blk, s: (blk / s).clamp(-E4M3_MAX, E4M3_MAX)).to(E4M3))
         scales.append(scale)
     scale = torch.cat(scales)
-    return E4M3Weight(torch.cat(qs).contiguous(), scale.contiguous(), _ratios(scale).contiguous(), swiglu)
+    return E4M3Weight(torch.cat(qs).contiguous(), scale.contiguous(), swiglu)
 
 
 @dataclasses.dataclass

@@ -190,11 +190,11 @@ def _routed_experts_fp8(sched, x_routed, w8, act, h, y_routed, gemm_ctas) -> Non
     the SwiGLU output are quantized per (row, 128 columns) up to the last segment's end; the
     outputs (act, h, y_routed) stay bf16."""
     end = sched.expert_offsets[-1:]
-    xq, _, xr = ops.quantize_rows_e4m3(x_routed, end)
-    ops.expert_gemm_fp8(xq, xr, w8.fc1.q, w8.fc1.ratio, sched.expert_offsets, sched.expert_counts, act, True,
+    xq, xs = ops.quantize_rows_e4m3(x_routed, end)
+    ops.expert_gemm_fp8(xq, xs, w8.fc1.q, w8.fc1.scale, sched.expert_offsets, sched.expert_counts, act, True,
                         pre_out=h, num_ctas=gemm_ctas)
-    aq, _, ar = ops.quantize_rows_e4m3(act, end)
-    ops.expert_gemm_fp8(aq, ar, w8.fc2.q, w8.fc2.ratio, sched.expert_offsets, sched.expert_counts, y_routed, False,
+    aq, as_ = ops.quantize_rows_e4m3(act, end)
+    ops.expert_gemm_fp8(aq, as_, w8.fc2.q, w8.fc2.scale, sched.expert_offsets, sched.expert_counts, y_routed, False,
                         num_ctas=gemm_ctas)
 
 

@@ -121,28 +121,26 @@ def grouped_gemm(a, b, seg_offsets, out, swiglu: bool, num_ctas: int = 0, seg_co
 
 
 def quantize_rows_e4m3(x: torch.Tensor, rows_end: torch.Tensor | None = None):
-    """x [rows, K] bf16 -> (q [rows, K] e4m3, scale [K / 128, ld] fp32, ratio [K / 128 + 1, ld] fp32).
+    """x [rows, K] bf16 -> (q [rows, K] e4m3, scale [K / 128, ld] fp32), as ``fp8.quantize_rows``.
 
-    One scale per (row, 128 columns), stored transposed (``scale[kb, row]``) with the pitch
-    ``ld = rows + 16`` rounded up to 4 that ``expert_gemm_fp8`` needs; ``ratio`` is the GEMM's form
-    (megatron_mok/fp8.py). rows_end (optional int32 device scalar): only rows below it are
-    quantized (the routed rows of a segment layout); the others are left as they were.
+    One scale per (row, 128 columns), stored transposed (``scale[kb, row]``, pitch ``ld`` = rows
+    rounded up to 4) for ``expert_gemm_fp8``. rows_end (optional int32 device scalar): only rows
+    below it are quantized (the routed rows of a segment layout); the others are left as they were.
     """
     rows, k = x.shape
-    ld = -(-(rows + 16) // 4) * 4
+    ld = -(-rows // 4) * 4
     q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((k // 128, ld), dtype=torch.float32, device=x.device)
-    ratio = torch.empty((k // 128 + 1, ld), dtype=torch.float32, device=x.device)
-    _ops().quantize_rows_e4m3(x, q, scale, ratio, rows_end)
-    return q, scale, ratio
+    _ops().quantize_rows_e4m3(x, q, scale, rows_end)
+    return q, scale
 
 
-def expert_gemm_fp8(x8, x_ratio, w8, w_ratio, seg_offsets, seg_counts, out, swiglu: bool, pre_out=None,
+def expert_gemm_fp8(x8, x_scale, w8, w_scale, seg_offsets, seg_counts, out, swiglu: bool, pre_out=None,
                     num_ctas: int = 0) -> None:
     """The routed GEMM of ``grouped_gemm`` (segments with real-row counts) on e4m3 operands:
-    x8/x_ratio from ``quantize_rows_e4m3``, w8/w_ratio from ``fp8.quantize_weight`` (its ``q`` and
-    ``ratio``). out (and pre_out) bf16, as ``grouped_gemm`` writes them."""
-    _ops().expert_gemm_fp8(x8, x_ratio, w8, w_ratio, seg_offsets, seg_counts, out, pre_out, swiglu, num_ctas)
+    x8/x_scale from ``quantize_rows_e4m3``, w8/w_scale from ``fp8.quantize_weight`` (its ``q`` and
+    ``scale``). out (and pre_out) bf16, as ``grouped_gemm`` writes them."""
+    _ops().expert_gemm_fp8(x8, x_scale, w8, w_scale, seg_offsets, seg_counts, out, pre_out, swiglu, num_ctas)
 
 
 def combine(y, row_src_rank, row_src_slot, expert_offsets, state, peer_comb: list[int], num_ctas: int = 0) -> None:

@@ -79,9 +79,9 @@ def _swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
     return torch.cat([d_gate, d_up], dim=-1)
 
 
-def _qdq_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows rounded to ``dtype`` (what the kernels hold), then block-scaled e4m3 and back."""
-    return fp8.dequantize_rows(*fp8.quantize_rows(t.to(dtype))).to(t.dtype)
+def _qdq_rows(t: torch.Tensor) -> torch.Tensor:
+    """Rows rounded to bf16 (what the kernels hold and quantize), then block-scaled e4m3 and back."""
+    return fp8.dequantize_rows(*fp8.quantize_rows(t.to(torch.bfloat16))).to(t.dtype)
 
 
 def recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1=None, precision: str = "bf16") -> ReferenceContext:
@@ -89,7 +89,7 @@ def recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1=None, precision
 
     precision "fp8": the routed GEMMs' operands go through block-scaled e4m3 as the kernels
     quantize them (megatron_mok/fp8.py): dispatched rows, fc1, fc2 and the SwiGLU output (rounded
-    to x's dtype first). The context keeps the unquantized dispatched rows, as the kernels do.
+    to bf16 first, as the kernels hold it). The context keeps the unquantized dispatched rows, as the kernels do.
     """
     cd = _compute_dtype(x)
     xc = x.to(cd)
@@ -105,8 +105,8 @@ def recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1=None, precision
             continue
         rows = slice(start, start + count)
         if quant:
-            fc1_out[rows] = _qdq_rows(x_routed[rows], x.dtype) @ w1[e].t()
-            y_routed[rows] = _qdq_rows(_swiglu(fc1_out[rows]), x.dtype) @ w2[e].t()
+            fc1_out[rows] = _qdq_rows(x_routed[rows]) @ w1[e].t()
+            y_routed[rows] = _qdq_rows(_swiglu(fc1_out[rows])) @ w2[e].t()
             continue
         fc1_out[rows] = x_routed[rows] @ fc1[e].to(cd).t()
         y_routed[rows] = _swiglu(fc1_out[rows]) @ fc2[e].to(cd).t()

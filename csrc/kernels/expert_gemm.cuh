@@ -87,7 +87,9 @@ __device__ __forceinline__ Smem carve_smem(uint8_t* raw) {
   return Smem{reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023))};
 }
 
-__host__ __device__ constexpr int chunks_of(int rows) { return (rows + kMaxTok - 1) / kMaxTok; }
+// Token chunks of an expert's rows: tasks of at most kChunk rows (256; the e4m3 GEMM's 128).
+template <int kChunk = kMaxTok>
+__host__ __device__ constexpr int chunks_of(int rows) { return (rows + kChunk - 1) / kChunk; }
 
 // Real rows of expert e that its segment holds (after a capacity overflow, which the schedule
 // flags, the counts exceed the clipped segments: tasks stay inside them, and the chunk count stays
@@ -97,12 +99,13 @@ __device__ __forceinline__ int seg_rows(const Params& p, int e) {
 }
 
 // Warp 0: chunk_prefix[e] = sum of chunks_of(seg_counts[i]) for i < e (the caller syncs after).
+template <int kChunk = kMaxTok>
 __device__ __forceinline__ void build_chunk_prefix(const Params& p, int* prefix) {
   const int lane = threadIdx.x % 32;
   int running = 0;
   for (int base = 0; base < p.nseg; base += 32) {
     const int e = base + lane;
-    const int incl = warp_inclusive_sum(e < p.nseg ? chunks_of(seg_rows(p, e)) : 0);
+    const int incl = warp_inclusive_sum(e < p.nseg ? chunks_of<kChunk>(seg_rows(p, e)) : 0);
     if (e < p.nseg) prefix[e + 1] = running + incl;
     running += __shfl_sync(0xffffffffu, incl, 31);
   }
@@ -379,7 +382,8 @@ __device__ __forceinline__ void stage_plain(uint32_t stg, const float (&acc)[128
   }
 }
 
-template <bool kSwiGLU, class Ring>
+// kTok: the most token rows a task of this kernel has (its accumulators past kTok / 2 are unused).
+template <bool kSwiGLU, int kTok = kMaxTok, class Ring>
 __device__ __forceinline__ void store_task(const Params& p, const Ring& sm, const Task& tk, int cw,
                                            const float (&acc)[128]) {
   const int t = threadIdx.x % 128;
@@ -388,7 +392,7 @@ __device__ __forceinline__ void store_task(const Params& p, const Ring& sm, cons
   const uint32_t stg = smem_u32(sm.staging(cw));
   const int rounds = (kSwiGLU && p.pre_out != nullptr) ? 3 : 1;
 #pragma unroll
-  for (int sl = 0; sl < kMaxTok / 64; ++sl) {
+  for (int sl = 0; sl < kTok / 64; ++sl) {
     if (64 * sl >= tk.n_tok) break;
     const int row0 = tk.row0 + 64 * sl;
     const int n_real = tk.n_real - 64 * sl;

@@ -1,5 +1,5 @@
 // The routed experts' forward GEMMs in block-scaled e4m3 (expert_gemm_fp8.cuh), and the quantizer
-// of their token operands (bf16 rows -> e4m3 rows + the per-stage scale ratios the GEMM reads).
+// of their token operands (bf16 rows -> e4m3 rows + one scale per row and 128 columns).
 #include <stdlib.h>
 
 #include <algorithm>
@@ -17,7 +17,7 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   __shared__ int chunk_prefix[xgemm::kMaxSeg + 1];
   const xgemm8::Smem sm = xgemm8::carve_smem(smem_raw);
-  if (threadIdx.x < 32) xgemm::build_chunk_prefix(p.g, chunk_prefix);
+  if (threadIdx.x < 32) xgemm::build_chunk_prefix<xgemm8::kMaxTok>(p.g, chunk_prefix);
   gemm::init_ring_barriers(sm, xgemm8::kStages);
   __syncthreads();
   const int tasks = xgemm::num_tasks(p.g, chunk_prefix);
@@ -37,11 +37,10 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
         uint32_t it = 0;
         for (int u = blockIdx.x; u < tasks; u += gridDim.x) {
           const xgemm::Task t = xgemm::decode(p.g, chunk_prefix, u);
-          const float* wr = p.w_ratio + ((int64_t)t.seg * p.g.n_blocks + t.block) * (nk + 1);
-          const float* xfinal = p.x_ratio + (int64_t)nk * p.x_ratio_ld + t.row0;
-          xgemm8::mma_task_any(p, sm, cw, acc, it, t.n_tok, wr, xfinal);
+          const float* ws = p.w_scale + ((int64_t)t.seg * p.g.n_blocks + t.block) * nk;
+          xgemm8::mma_task_any(p, sm, cw, acc, it, t.n_tok, ws);
           // decoded again: keeping the task live through the main loop costs registers
-          xgemm::store_task<kSwiGLU>(p.g, sm, xgemm::decode(p.g, chunk_prefix, u), cw, acc);
+          xgemm::store_task<kSwiGLU, xgemm8::kMaxTok>(p.g, sm, xgemm::decode(p.g, chunk_prefix, u), cw, acc);
         }
       });
 }
@@ -56,45 +55,50 @@ __device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
   return (uint32_t)lo | ((uint32_t)hi << 16);
 }
 
-// One warp per row, 128-column blocks in order: s = max(amax, kMinAmax) / 448, q = e4m3(x / s)
-// (IEEE division, round to nearest even, saturating), scale[kb][row] = s,
-// ratio[kb][row] = s[kb - 1] / s[kb] (kb >= 1), ratio[nkb][row] = s[nkb - 1], ratio[0][row] = 1.
+// Half a warp per (row, 128-column block), 8 columns a lane (16-byte loads):
+// s = max(amax, kMinAmax) / 448, q = e4m3(x / s) (IEEE division, round to nearest even,
+// saturating), scale[kb][row] = s.
 __global__ void __launch_bounds__(256) quantize_rows_e4m3_kernel(const __nv_bfloat16* __restrict__ x,
                                                                  uint8_t* __restrict__ q, float* __restrict__ scale,
-                                                                 float* __restrict__ ratio, int64_t rows, int K,
-                                                                 int ld, const int* rows_end) {
-  const int lane = threadIdx.x % 32;
+                                                                 int64_t rows, int K, int ld, const int* rows_end) {
   if (rows_end != nullptr) rows = min(rows, (int64_t)max(0, *rows_end));
-  const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
+  const int half = threadIdx.x % 32 / 16, lane = threadIdx.x % 16;
   const int nkb = K / 128;
-  for (int64_t r = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; r < rows; r += warps) {
-    const __nv_bfloat16* xr = x + r * K;
-    float prev = 1.f;
-    for (int kb = 0; kb < nkb; ++kb) {
-      const uint2 raw = *reinterpret_cast<const uint2*>(xr + kb * 128 + 4 * lane);
-      const __nv_bfloat162 v01 = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
-      const __nv_bfloat162 v23 = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
-      const float v[4] = {__low2float(v01), __high2float(v01), __low2float(v23), __high2float(v23)};
-      float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+  const int64_t items = rows * nkb;  // (row, block) pairs, two per warp
+  const int64_t step = 2 * (int64_t)gridDim.x * (blockDim.x / 32);
+  for (int64_t i = 2 * ((int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32); i < items; i += step) {
+    const int64_t item = i + half;
+    const bool live = item < items;  // the whole warp shuffles, also an idle half
+    const int64_t r = live ? item / nkb : 0;
+    const int kb = live ? static_cast<int>(item % nkb) : 0;
+    const int64_t off = r * K + kb * 128 + 8 * lane;
+    float v[8];
+    if (live) {
+      unpack8(ld16(x + off), v);
+    } else {
 #pragma unroll
-      for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-      const float s = __fdiv_rn(fmaxf(amax, kMinAmax), kE4m3Max);
-      *reinterpret_cast<uint32_t*>(q + r * K + kb * 128 + 4 * lane) =
-          e4m3x4(__fdiv_rn(v[0], s), __fdiv_rn(v[1], s), __fdiv_rn(v[2], s), __fdiv_rn(v[3], s));
-      if (lane == 0) {
-        scale[(int64_t)kb * ld + r] = s;
-        ratio[(int64_t)kb * ld + r] = kb == 0 ? 1.f : __fdiv_rn(prev, s);
-      }
-      prev = s;
+      for (int j = 0; j < 8; ++j) v[j] = 0.f;
     }
-    if (lane == 0) ratio[(int64_t)nkb * ld + r] = prev;
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
+#pragma unroll
+    for (int o = 8; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float s = __fdiv_rn(fmaxf(amax, kMinAmax), kE4m3Max);
+    if (live) {
+      uint2 out;
+      out.x = e4m3x4(__fdiv_rn(v[0], s), __fdiv_rn(v[1], s), __fdiv_rn(v[2], s), __fdiv_rn(v[3], s));
+      out.y = e4m3x4(__fdiv_rn(v[4], s), __fdiv_rn(v[5], s), __fdiv_rn(v[6], s), __fdiv_rn(v[7], s));
+      *reinterpret_cast<uint2*>(q + off) = out;
+      if (lane == 0) scale[(int64_t)kb * ld + r] = s;
+    }
   }
 }
 
 }  // namespace
 
-const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, int K, const float* x_ratio,
-                                   int x_ratio_ld, const void* w8, const float* w_ratio, int nseg,
+const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, int K, const float* x_scale,
+                                   int x_scale_ld, const void* w8, const float* w_scale, int nseg,
                                    const int* seg_offsets, const int* seg_counts, void* out, void* pre_out, int N,
                                    int num_ctas, cudaStream_t stream) {
   if (rows <= 0 || N <= 0) return nullptr;
@@ -103,8 +107,8 @@ const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, in
   if (rows > (int64_t)1 << 30) return "mok expert_gemm_fp8: too many rows";
   if (nseg < 1 || nseg > xgemm::kMaxSeg) return "mok expert_gemm_fp8: 1 to 512 segments";
   if (seg_offsets == nullptr || seg_counts == nullptr) return "mok expert_gemm_fp8: needs segment offsets and counts";
-  if (x_ratio_ld % 4 || x_ratio_ld < rows + xgemm::kTokAlign)
-    return "mok expert_gemm_fp8: the scale rows need a pitch >= rows + 16, a multiple of 4 (quantize_rows_e4m3)";
+  if (x_scale_ld % 4 || x_scale_ld < rows)
+    return "mok expert_gemm_fp8: the token scales need a pitch >= rows, a multiple of 4 (quantize_rows_e4m3)";
   if (!aligned16(out) || (pre_out != nullptr && !aligned16(pre_out)))
     return "mok expert_gemm_fp8: out and pre_out must start at a 16-byte aligned address (16-byte stores)";
   CUtensorMap tmW, tmX, tmR;
@@ -115,31 +119,32 @@ const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, in
     return m;
   }
   const int nkb = xgemm8::k_blocks(K);
-  if (const char* m = make_tmap_f32_rows(&tmR, x_ratio, nkb + 1, x_ratio_ld, x_ratio_ld, xgemm::kMaxTok)) return m;
+  if (const char* m = make_tmap_f32_rows(&tmR, x_scale, nkb, x_scale_ld, x_scale_ld, xgemm8::kMaxTok)) return m;
   xgemm8::Params p;
   p.g = xgemm::make_params(seg_offsets, seg_counts, nseg, static_cast<int>(rows), K, N, swiglu, out, pre_out);
-  p.w_ratio = w_ratio;
-  p.x_ratio = x_ratio;
-  p.x_ratio_ld = x_ratio_ld;
+  p.w_scale = w_scale;
+  p.x_scale = x_scale;
+  p.x_scale_ld = x_scale_ld;
   auto kernel = swiglu ? expert_gemm_fp8_kernel<true> : expert_gemm_fp8_kernel<false>;
   cudaLaunchConfig_t cfg = launch_config(xgemm::kThreads, xgemm8::kSmemBytes, stream, false, nullptr);
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, xgemm8::kSmemBytes) != cudaSuccess)
     return "mok expert_gemm_fp8: cannot raise the shared-memory limit";
-  const int64_t max_tasks = ((int64_t)nseg + rows / xgemm::kMaxTok + 1) * p.g.n_blocks;
+  const int64_t max_tasks = ((int64_t)nseg + rows / xgemm8::kMaxTok + 1) * p.g.n_blocks;
   const int ctas = num_ctas > 0 ? num_ctas : num_sms();
   cfg.gridDim = dim3(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ctas, max_tasks))));
   return launch_ex(cfg, kernel, tmW, tmX, tmR, p);
 }
 
-const char* launch_quantize_rows_e4m3(const void* x, int64_t rows, int K, void* q, float* scale, float* ratio, int ld,
+const char* launch_quantize_rows_e4m3(const void* x, int64_t rows, int K, void* q, float* scale, int ld,
                                       const int* rows_end, cudaStream_t stream) {
   if (rows <= 0) return nullptr;
   if (K <= 0 || K % 128) return "mok quantize_rows_e4m3: K must be a positive multiple of 128";
   if (ld < rows) return "mok quantize_rows_e4m3: the scale pitch is shorter than the rows";
   if (!aligned16(x) || !aligned16(q)) return "mok quantize_rows_e4m3: x and q must be 16-byte aligned";
-  const int64_t blocks = std::min<int64_t>((rows + 7) / 8, 8 * (int64_t)num_sms());
+  const int64_t pairs = (rows * (K / 128) + 1) / 2;  // two (row, block) items per warp
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((pairs + 7) / 8, 16 * (int64_t)num_sms()));
   quantize_rows_e4m3_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(x), static_cast<uint8_t*>(q), scale, ratio, rows, K, ld, rows_end);
+      static_cast<const __nv_bfloat16*>(x), static_cast<uint8_t*>(q), scale, rows, K, ld, rows_end);
   return launch_status();
 }
 

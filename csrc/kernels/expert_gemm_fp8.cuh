@@ -2,25 +2,27 @@
 // experts' forward GEMMs with FP8 operands and fp32 accumulation.
 //
 // Why: the bf16 tasks run at the rate their operands enter the SM (~45-55 GB/s per SM measured),
-// not at the MMA rate. An e4m3 stage of 128 K holds the same 48 KB (128 weight rows + 256 token
-// rows, 128 bytes each) as a bf16 stage of 64 K, so a task moves half the bytes per FLOP, and
-// wgmma's e4m3 rate is twice bf16's.
+// not at the MMA rate. An e4m3 stage of 128 K holds 128 weight rows and 128 token rows of 128
+// bytes (32 KB) for 4.2 MFLOP: 0.67x the bytes per FLOP of the bf16 128 x 256 tile, and wgmma's
+// e4m3 rate is twice bf16's.
 //
-// Scaling (the usual fine-grained recipe):
+// Scaling (the usual fine-grained recipe, as DeepSeek-V3 trains with it):
 // - tokens: one fp32 scale per (row, 128 columns of K); x ~= q * s;
 // - weights: one fp32 scale per (expert, weight tile of a task, 128 K): the tile's 128 rows are
 //   rows 128 b .. 128 b + 127 (plain) or gate rows 64 b .. 64 b + 63 together with the same up
 //   rows (SwiGLU: the rows one task loads), so that one warpgroup sees one weight scale per stage.
-// The accumulators hold the sum in units of the current stage's scale product: before stage kb's
-// wgmmas, each token's accumulators are multiplied by ratio[kb][t] * wratio[kb] (the previous
-// stage's scale over this stage's, computed once by the quantizers), and after the last stage by
-// the last scales. One accumulator set, so tasks keep N up to 256 token rows; the rescale needs the
-// previous stage's wgmmas complete (wgmma.wait 0 per stage), while the other warpgroup's MMAs run.
+// Promotion: e4m3 wgmma accumulates with reduced precision (~14 bits, DeepSeek-V3 report), so
+// each 128-K block is summed afresh by the tensor cores into a second register set and added to
+// the fp32 accumulators by the CUDA cores, times its scales (CUTLASS's default fp8 mainloop and
+// DeepGEMM do the same); one warpgroup promotes while the other's wgmmas run. Accumulators plus
+// block sums must fit the 128 registers the bf16 kernels give their accumulators (ptxas
+// allocates the consumers within the launch's 168 a thread), so a task holds at most 128 token
+// rows (experts split into chunks of <= 128 rows).
 //
 // Operands (all K-major, as wgmma e4m3 requires):
-// - X8 [rows, K] e4m3, its ratio rows XR [K / 128 + 1][rows_pad] fp32 (row kb >= 1: s[kb-1] / s[kb];
-//   row K / 128: the last scale; row 0 unused), loaded by TMA as one 1 KB box per stage;
-// - W8 [nseg * w_rows, K] e4m3, WR [nseg][n_blocks][K / 128 + 1] fp32 laid out as XR's rows.
+// - X8 [rows, K] e4m3 with XS [K / 128][x_scale_ld] fp32 (transposed: a stage's 128 token scales
+//   are one 512-byte TMA box);
+// - W8 [nseg * w_rows, K] e4m3 with WS [nseg][n_blocks][K / 128] fp32.
 // Every output element is owned by one task and reduced in ascending K order: the bits do not
 // depend on the grid. Epilogue and padding rows: expert_gemm.cuh's (store_task).
 #pragma once
@@ -30,24 +32,24 @@
 namespace mok {
 namespace xgemm8 {
 
-using xgemm::kMaxTok;
 using xgemm::WM;
+constexpr int kMaxTok = 128;                  // token rows per task (accumulators + block sums: 128 registers)
 constexpr int BK = 128;                       // K per stage: one 128-byte swizzle row of e4m3
-constexpr int kStages = xgemm::kStages;
+constexpr int kStages = 6;
 constexpr int kWBytes = WM * BK;              // 16 KB
-constexpr int kXBytes = kMaxTok * BK;         // 32 KB
-constexpr int kRBytes = kMaxTok * 4;          // the stage's token ratios (256 fp32)
+constexpr int kXBytes = kMaxTok * BK;         // 16 KB
+constexpr int kRBytes = kMaxTok * 4;          // the stage's token scales (128 fp32)
 constexpr int kOffStaging = kStages * (kWBytes + kXBytes);
-constexpr int kOffRatios = kOffStaging + 2 * xgemm::kStageBytesPerWG;
-constexpr int kOffBarriers = kOffRatios + kStages * kRBytes;
+constexpr int kOffScales = kOffStaging + 2 * xgemm::kStageBytesPerWG;
+constexpr int kOffBarriers = kOffScales + kStages * kRBytes;
 constexpr int kSmemBytes = kOffBarriers + 2 * kStages * 8 + 1024 /* alignment */;
 static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 
 struct Params {
   xgemm::Params g;        // segments, shapes, outputs (K in elements = bytes)
-  const float* w_ratio;   // [nseg][n_blocks][nkb + 1]
-  const float* x_ratio;   // [nkb + 1][x_ratio_ld]
-  int x_ratio_ld;
+  const float* w_scale;   // [nseg][n_blocks][nkb]
+  const float* x_scale;   // [nkb][x_scale_ld]
+  int x_scale_ld;
 };
 
 struct Smem {
@@ -58,7 +60,7 @@ struct Smem {
   __device__ __forceinline__ __nv_bfloat16* staging(int cw) const {
     return reinterpret_cast<__nv_bfloat16*>(base + kOffStaging) + cw * (64 * xgemm::kStageStride);
   }
-  __device__ __forceinline__ uint32_t ratios(int s) const { return smem_u32(base + kOffRatios + s * kRBytes); }
+  __device__ __forceinline__ uint32_t scales(int s) const { return smem_u32(base + kOffScales + s * kRBytes); }
   __device__ __forceinline__ uint64_t* full(int s) const { return reinterpret_cast<uint64_t*>(base + kOffBarriers) + s; }
   __device__ __forceinline__ uint64_t* empty(int s) const { return full(kStages + s); }
 };
@@ -69,7 +71,7 @@ __device__ __forceinline__ Smem carve_smem(uint8_t* raw) {
 
 __host__ __device__ constexpr int k_blocks(int K) { return (K + BK - 1) / BK; }
 
-// Producer thread: per stage the weight tile, the task's token rows and their 256 ratios of kb.
+// Producer thread: per stage the weight tile, the task's token rows and their 256 scales of kb.
 template <bool kSwiGLU>
 __device__ __forceinline__ void produce_task(const Params& p, const CUtensorMap* tmW, const CUtensorMap* tmX,
                                              const CUtensorMap* tmR, const Smem& sm, const xgemm::Task& t,
@@ -88,7 +90,7 @@ __device__ __forceinline__ void produce_task(const Params& p, const CUtensorMap*
       tma_load_2d(sm.w(s), tmW, sm.full(s), kb * BK, wcoord);
     for (int i = 0; i < nbox; ++i)
       tma_load_2d(sm.x(s) + i * xgemm::kXBox * BK, tmX, sm.full(s), kb * BK, t.row0 + i * xgemm::kXBox);
-    tma_load_2d(reinterpret_cast<void*>(sm.base + kOffRatios + s * kRBytes), tmR, sm.full(s), t.row0, kb);
+    tma_load_2d(reinterpret_cast<void*>(sm.base + kOffScales + s * kRBytes), tmR, sm.full(s), t.row0, kb);
   }
 }
 
@@ -107,20 +109,13 @@ MOK_XGEMM8_ATOM(80)
 MOK_XGEMM8_ATOM(96)
 MOK_XGEMM8_ATOM(112)
 MOK_XGEMM8_ATOM(128)
-MOK_XGEMM8_ATOM(144)
-MOK_XGEMM8_ATOM(160)
-MOK_XGEMM8_ATOM(176)
-MOK_XGEMM8_ATOM(192)
-MOK_XGEMM8_ATOM(208)
-MOK_XGEMM8_ATOM(224)
-MOK_XGEMM8_ATOM(240)
-MOK_XGEMM8_ATOM(256)
 #undef MOK_XGEMM8_ATOM
 
-template <int N, size_t... Is>
-__device__ __forceinline__ void wgmma_n(float (&d)[128], uint64_t da, uint64_t db, bool accumulate,
+// wgmma m64 nN k32 into d[OFF .. OFF + N / 2) (a fresh sum unless accumulate).
+template <int N, int OFF, int R, size_t... Is>
+__device__ __forceinline__ void wgmma_n(float (&d)[R], uint64_t da, uint64_t db, bool accumulate,
                                         std::index_sequence<Is...>) {
-  Atom<N>::type::fma(da, db, d[Is]...,
+  Atom<N>::type::fma(da, db, d[OFF + Is]...,
                      accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
 }
 
@@ -130,68 +125,64 @@ __device__ __forceinline__ float2 ld_shared_f2(uint32_t addr) {
   return v;
 }
 
-// acc (tokens 8 g + 2 q + h, see expert_gemm.cuh's layout) *= wscale * xs[token], xs a stage's ratio
-// row in shared memory (or, final, the last-scale row in global memory).
-template <int N, bool kGlobal>
-__device__ __forceinline__ void scale_acc(float (&acc)[128], float wscale, uint32_t xs, const float* xg) {
+// acc (tokens 8 g + 2 q + h of the layout in expert_gemm.cuh) += sum * wscale * xs[token], xs the
+// stage's token scales in shared memory.
+template <int N>
+__device__ __forceinline__ void promote(float (&acc)[128], float (&sum)[kMaxTok / 2], float wscale, uint32_t xs) {
+  fence_regs(sum);
   const int q = (threadIdx.x % 32) % 4;
 #pragma unroll
   for (int g = 0; g < N / 8; ++g) {
-    const float2 r = kGlobal ? *reinterpret_cast<const float2*>(xg + 8 * g + 2 * q) : ld_shared_f2(xs + 4 * (8 * g + 2 * q));
-    const float r0 = r.x * wscale, r1 = r.y * wscale;
-    acc[4 * g] *= r0;
-    acc[4 * g + 1] *= r1;
-    acc[4 * g + 2] *= r0;
-    acc[4 * g + 3] *= r1;
+    const float2 r = ld_shared_f2(xs + 4 * (8 * g + 2 * q));
+    const float s0 = r.x * wscale, s1 = r.y * wscale;
+    acc[4 * g] = fmaf(sum[4 * g], s0, acc[4 * g]);
+    acc[4 * g + 1] = fmaf(sum[4 * g + 1], s1, acc[4 * g + 1]);
+    acc[4 * g + 2] = fmaf(sum[4 * g + 2], s0, acc[4 * g + 2]);
+    acc[4 * g + 3] = fmaf(sum[4 * g + 3], s1, acc[4 * g + 3]);
   }
 }
 
-// Consumer warpgroup `cw`: weight rows 64 cw .. 64 cw + 63 of the stage against its N token rows.
-// wr: the task's weight ratio row; xfinal: the task's first row in XR's last-scale row.
+// Consumer warpgroup `cw`: weight rows 64 cw .. 64 cw + 63 of every stage against the task's N
+// token rows; ws: the task's weight scale row. Per stage: the block's four k32 steps summed
+// afresh, waited for, promoted; the stage is freed once its scales are read.
 template <int N>
 __device__ __forceinline__ void mma_task(const Params& p, const Smem& sm, int cw, float (&acc)[128], uint32_t& it,
-                                         const float* wr, const float* xfinal) {
+                                         const float* ws) {
   const int nk = k_blocks(p.g.K);
-  int prev = -1;
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
+  float sum[kMaxTok / 2];
   for (int kb = 0; kb < nk; ++kb, ++it) {
     const int s = it % kStages;
+    const float wscale = __ldg(ws + kb);
     gemm::ring_wait<false>(sm.full(s), (it / kStages) & 1, nullptr);
-    if (kb > 0) {
-      // the accumulators into this stage's units (the previous stage's wgmmas must be done)
-      const float wratio = __ldg(wr + kb);
-      wgmma_wait<0>();
-      fence_regs(acc);
-      scale_acc<N, false>(acc, wratio, sm.ratios(s), nullptr);
-      gemm::release_stage<false>(sm.empty(prev));
-    }
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BK / 32; ++kk) {
       const uint64_t da = wgmma_desc_sw128(sm.w(s) + cw * (WM / 2) * 128 + kk * 32);
       const uint64_t db = wgmma_desc_sw128(sm.x(s) + kk * 32);
-      wgmma_n<N>(acc, da, db, kb > 0 || kk > 0, std::make_index_sequence<N / 2>{});
+      // a runtime flag for the fresh start (kk == 0; nk >= 1 always): a constant one makes ptxas
+      // serialize the wgmmas (C7511)
+      wgmma_n<N, 0>(sum, da, db, kk > 0 || nk < 0, std::make_index_sequence<N / 2>{});
     }
     wgmma_commit();
-    prev = s;
+    wgmma_wait<0>();
+    promote<N>(acc, sum, wscale, sm.scales(s));
+    gemm::release_stage<false>(sm.empty(s));
   }
-  wgmma_wait<0>();
   fence_regs(acc);
-  gemm::release_stage<false>(sm.empty(prev));
-  scale_acc<N, true>(acc, __ldg(wr + nk), 0, xfinal);
 }
 
-// The task's N as a template argument (N = 16 .. 256).
+// The task's N as a template argument (N = 16 .. 128).
 __device__ __forceinline__ void mma_task_any(const Params& p, const Smem& sm, int cw, float (&acc)[128], uint32_t& it,
-                                             int n_tok, const float* wr, const float* xfinal) {
+                                             int n_tok, const float* ws) {
   switch (n_tok / xgemm::kTokAlign) {
 #define MOK_XGEMM8_CASE(U) \
   case U:                  \
-    mma_task<U * xgemm::kTokAlign>(p, sm, cw, acc, it, wr, xfinal); \
+    mma_task<U * xgemm::kTokAlign>(p, sm, cw, acc, it, ws); \
     break;
     MOK_XGEMM8_CASE(1) MOK_XGEMM8_CASE(2) MOK_XGEMM8_CASE(3) MOK_XGEMM8_CASE(4) MOK_XGEMM8_CASE(5)
-    MOK_XGEMM8_CASE(6) MOK_XGEMM8_CASE(7) MOK_XGEMM8_CASE(8) MOK_XGEMM8_CASE(9) MOK_XGEMM8_CASE(10)
-    MOK_XGEMM8_CASE(11) MOK_XGEMM8_CASE(12) MOK_XGEMM8_CASE(13) MOK_XGEMM8_CASE(14) MOK_XGEMM8_CASE(15)
-    MOK_XGEMM8_CASE(16)
+    MOK_XGEMM8_CASE(6) MOK_XGEMM8_CASE(7) MOK_XGEMM8_CASE(8)
 #undef MOK_XGEMM8_CASE
     default:
       break;

@@ -82,20 +82,18 @@ const char* launch_grouped_gemm(bool swiglu, const void* A, int64_t a_rows, int 
                                 void* out, void* pre_out, int N, int num_ctas, cudaStream_t stream);
 
 // Block-scaled e4m3 routed GEMM (expert_gemm_fp8.cuh), the expert-major launch of
-// launch_grouped_gemm with e4m3 operands: x8 [rows, K] with x_ratio [K / 128 + 1][x_ratio_ld]
-// (launch_quantize_rows_e4m3's ratios; x_ratio_ld >= rows + 16), w8 [nseg * (swiglu ? 2 N : N), K]
-// with w_ratio [nseg][weight tiles][K / 128 + 1] (tiles of 128 rows; swiglu: gate rows 64 b .. +63
-// with the same up rows). Outputs as launch_grouped_gemm's (bf16). K a multiple of 128.
-const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, int K, const float* x_ratio,
-                                   int x_ratio_ld, const void* w8, const float* w_ratio, int nseg,
+// launch_grouped_gemm with e4m3 operands: x8 [rows, K] with x_scale [K / 128][x_scale_ld]
+// (launch_quantize_rows_e4m3), w8 [nseg * (swiglu ? 2 N : N), K] with w_scale
+// [nseg][weight tiles][K / 128] (tiles of 128 rows; swiglu: gate rows 64 b .. +63 with the same up
+// rows). Outputs as launch_grouped_gemm's (bf16). K a multiple of 128.
+const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, int K, const float* x_scale,
+                                   int x_scale_ld, const void* w8, const float* w_scale, int nseg,
                                    const int* seg_offsets, const int* seg_counts, void* out, void* pre_out, int N,
                                    int num_ctas, cudaStream_t stream);
 
-// x [rows, K] bf16 -> q [rows, K] e4m3 with one scale per (row, 128 columns): scale[kb][row] (pitch
-// ld) and the GEMM's ratios ratio[kb][row] = scale[kb - 1] / scale[kb], ratio[K / 128][row] = the
-// last scale, ratio[0][row] = 1 (K / 128 + 1 rows of pitch ld). rows_end (optional device int):
-// only rows below min(rows, *rows_end) are quantized.
-const char* launch_quantize_rows_e4m3(const void* x, int64_t rows, int K, void* q, float* scale, float* ratio, int ld,
+// x [rows, K] bf16 -> q [rows, K] e4m3 with one scale per (row, 128 columns), scale[kb][row] (pitch
+// ld >= rows). rows_end (optional device int): only rows below min(rows, *rows_end) are quantized.
+const char* launch_quantize_rows_e4m3(const void* x, int64_t rows, int K, void* q, float* scale, int ld,
                                       const int* rows_end, cudaStream_t stream);
 
 // Push-combine: routed row i's output y[i] -> slot row_src_slot[i] of rank row_src_rank[i]'s

@@ -33,18 +33,14 @@ def test_quantize_rows_matches_reference_bits(rows, K):
         x[1, :128] = 1e4  # saturating magnitudes stay finite
     xd = x.to(DEV)
     end = torch.tensor([max(1, rows - 7)], dtype=torch.int32, device=DEV)
-    q, scale, ratio = ops.quantize_rows_e4m3(xd)
-    q2 = torch.empty_like(q)
-    _u8(q2).fill_(0x55)
-    q2_, scale2, ratio2 = ops.quantize_rows_e4m3(xd, end)
+    q, scale = ops.quantize_rows_e4m3(xd)
+    q2, scale2 = ops.quantize_rows_e4m3(xd, end)
     torch.cuda.synchronize()
     q_ref, s_ref = fp8.quantize_rows(x)
     assert torch.equal(_u8(q.cpu()), _u8(q_ref)), "e4m3 bytes differ from the reference"
     assert torch.equal(scale[:, :rows].cpu().t(), s_ref), "scales differ from the reference"
-    ratio_ref = torch.cat([torch.ones(rows, 1), s_ref[:, :-1] / s_ref[:, 1:], s_ref[:, -1:]], dim=1)
-    assert torch.equal(ratio[:, :rows].cpu().t(), ratio_ref), "ratios differ from the reference"
     n = int(end.item())
-    assert torch.equal(_u8(q2_[:n]), _u8(q[:n])) and torch.equal(scale2[:, :n], scale[:, :n])
+    assert torch.equal(_u8(q2[:n]), _u8(q[:n])) and torch.equal(scale2[:, :n], scale[:, :n])
 
 
 def _segments(counts, K, gen):
@@ -60,36 +56,45 @@ def _segments(counts, K, gen):
 
 
 @pytest.mark.parametrize("swiglu", [True, False])
-@pytest.mark.parametrize("K,N,counts", [
-    (256, 128, [130, 0, 1, 255, 256, 257, 700, 17, 48, 200, 15]),  # every chunk size class, empty experts
-    (1024, 320, [0, 0, 1000, 0]),  # all rows on one expert
-    (7168, 256, [300, 211]),  # DeepSeek-V3's K (56 scale blocks)
+@pytest.mark.parametrize("K,N,counts,positive", [
+    (256, 128, [130, 0, 1, 255, 256, 257, 700, 17, 48, 200, 15], False),  # chunk sizes 1..128, empty experts
+    (1024, 320, [0, 0, 1000, 0], False),  # all rows on one expert
+    (7168, 256, [300, 211], False),  # DeepSeek-V3's K (56 scale blocks)
+    (7168, 128, [129, 77], True),  # all-positive operands: no cancellation hides accumulation loss
 ])
-def test_expert_gemm_fp8_matches_dequantized_products(swiglu, K, N, counts):
-    """Real rows against fp64 products of the dequantized operands (<= 1e-2: the bf16 output
-    rounding is the only loss), padding rows +0, rows past the last segment untouched, bits
-    independent of the CTA count; and the quantization's error against bf16 operands."""
+def test_expert_gemm_fp8_matches_dequantized_products(swiglu, K, N, counts, positive):
+    """Real rows against fp64 products of the dequantized operands, padding rows +0, rows past the
+    last segment untouched, bits independent of the CTA count. The accumulation must lose no more
+    than the bf16 expert GEMM does on the same shapes (its error against fp64 products of its own
+    operands): e4m3 wgmma sums each 128-K block only, fp32 sums the blocks."""
     from megatron_mok import ops
 
     gen = torch.Generator().manual_seed(K + N + len(counts))
     a, offs, cap = _segments(counts, K, gen)
     w = (torch.randn(len(counts), 2 * N if swiglu else N, K, generator=gen) / K**0.5).bfloat16()
+    if positive:
+        a, w = a.abs(), w.abs()
     qw = fp8.quantize_weight(w.to(DEV), swiglu=swiglu)
-    xq, _, xr = ops.quantize_rows_e4m3(a.to(DEV))
+    xq, xs = ops.quantize_rows_e4m3(a.to(DEV))
     seg = torch.tensor(offs, dtype=torch.int32, device=DEV)
     cnt = torch.tensor(counts, dtype=torch.int32, device=DEV)
     first = None
     for ctas in (0, 1, 5, 77):
         out = torch.full((cap, N), float("nan"), dtype=torch.bfloat16, device=DEV)
         h = torch.full((cap, 2 * N), float("nan"), dtype=torch.bfloat16, device=DEV) if swiglu else None
-        ops.expert_gemm_fp8(xq, xr, qw.q, qw.ratio, seg, cnt, out, swiglu, pre_out=h, num_ctas=ctas)
+        ops.expert_gemm_fp8(xq, xs, qw.q, qw.scale, seg, cnt, out, swiglu, pre_out=h, num_ctas=ctas)
         if first is None:
             first = (out, h)
             continue
         assert torch.equal(bits(out), bits(first[0])), f"bits depend on the CTA count ({ctas})"
         if swiglu:
             assert torch.equal(bits(h), bits(first[1])), f"pre_out bits depend on the CTA count ({ctas})"
+    # the bf16 expert GEMM on the unquantized operands: its error against fp64 is the bar for the accumulation
+    out_bf16 = torch.full((cap, N), float("nan"), dtype=torch.bfloat16, device=DEV)
+    h_bf16 = torch.full((cap, 2 * N), float("nan"), dtype=torch.bfloat16, device=DEV) if swiglu else None
+    ops.grouped_gemm(a.to(DEV), w.to(DEV), seg, out_bf16, swiglu, 0, cnt, pre_out=h_bf16)
     out, h = (t.cpu() if t is not None else None for t in first)
+    out_bf16 = out_bf16.cpu()
     q_ref, s_ref = fp8.quantize_rows(a)
     a_deq = fp8.dequantize_rows(q_ref, s_ref).double()
     w_deq = qw.dequantize().cpu().double()
@@ -99,11 +104,13 @@ def test_expert_gemm_fp8_matches_dequantized_products(swiglu, K, N, counts):
         if n:
             hh = a_deq[lo:lo + n] @ w_deq[e].t()
             ref = torch.nn.functional.silu(hh[:, :N]) * hh[:, N:] if swiglu else hh
-            assert rel_err(out[lo:lo + n], ref) < 1e-2, (e, rel_err(out[lo:lo + n], ref))
-            if swiglu:
-                assert rel_err(h[lo:lo + n], hh) < 1e-2, e
             hb = a[lo:lo + n].double() @ w[e].double().t()
             ref_bf16 = torch.nn.functional.silu(hb[:, :N]) * hb[:, N:] if swiglu else hb
+            err, err_bf16_kernel = rel_err(out[lo:lo + n], ref), rel_err(out_bf16[lo:lo + n], ref_bf16)
+            assert err < 1e-2, (e, err)
+            assert err <= 1.5 * err_bf16_kernel + 1e-4, (e, err, err_bf16_kernel)
+            if swiglu:
+                assert rel_err(h[lo:lo + n], hh) <= 1.5 * rel_err(h_bf16[lo:lo + n].cpu(), hb) + 1e-4, e
             worst_vs_bf16 = max(worst_vs_bf16, rel_err(out[lo:lo + n], ref_bf16))
         assert bool((out[lo + n:end] == 0).all()), f"padding rows of expert {e} are not +0"
         if swiglu:
