@@ -244,6 +244,23 @@ void quantize_rows_e4m3(const Tensor& x, Tensor& q, Tensor& scale, const std::op
                                        current_stream()));
 }
 
+void quantize_weight_e4m3(const Tensor& w, Tensor& q, Tensor& scale, bool swiglu) {
+  check_cuda(w, "w", at::kBFloat16);
+  check_cuda(q, "q", at::kFloat8_e4m3fn);
+  check_cuda(scale, "scale", at::kFloat);
+  TORCH_CHECK(w.dim() == 3 && q.sizes() == w.sizes(), "megatron_mok: quantize_weight_e4m3 w and q must be [nseg, rows, K]");
+  const int64_t rows = w.size(1), K = w.size(2);
+  TORCH_CHECK(K % 128 == 0, "megatron_mok: quantize_weight_e4m3 K must be a multiple of 128");
+  TORCH_CHECK(!swiglu || rows % 2 == 0, "megatron_mok: quantize_weight_e4m3 swiglu rows hold [gate; up] (even)");
+  const int64_t n = swiglu ? rows / 2 : rows, tiles = swiglu ? (n + 63) / 64 : (n + 127) / 128;
+  TORCH_CHECK(scale.dim() == 3 && scale.size(0) == w.size(0) && scale.size(1) == tiles && scale.size(2) == K / 128,
+              "megatron_mok: quantize_weight_e4m3 scale must be [nseg, tiles, K / 128]");
+  c10::cuda::CUDAGuard guard(w.device());
+  check(mok::launch_quantize_weight_e4m3(w.data_ptr(), static_cast<int>(w.size(0)), static_cast<int>(rows),
+                                         static_cast<int>(K), swiglu, q.data_ptr(), scale.data_ptr<float>(),
+                                         current_stream()));
+}
+
 void combine(const Tensor& y, const Tensor& row_src_rank, const Tensor& row_src_slot, const Tensor& expert_offsets,
              Tensor& state, std::vector<int64_t> peer_comb, int64_t num_ctas) {
   check_cuda(y, "y", at::kBFloat16);
@@ -745,6 +762,7 @@ TORCH_LIBRARY(megatron_mok, m) {
       "expert_gemm_fp8(Tensor x8, Tensor x_scale, Tensor w8, Tensor w_scale, Tensor seg_offsets, Tensor seg_counts, "
       "Tensor(a!) out, Tensor(b!)? pre_out, bool swiglu, int num_ctas=0) -> ()");
   m.def("quantize_rows_e4m3(Tensor x, Tensor(a!) q, Tensor(b!) scale, Tensor? rows_end=None) -> ()");
+  m.def("quantize_weight_e4m3(Tensor w, Tensor(a!) q, Tensor(b!) scale, bool swiglu) -> ()");
   m.def(
       "combine(Tensor y, Tensor row_src_rank, Tensor row_src_slot, Tensor expert_offsets, Tensor(a!) state, "
       "int[] peer_comb, int num_ctas) -> ()");
@@ -799,6 +817,7 @@ TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("grouped_gemm", &grouped_gemm);
   m.impl("expert_gemm_fp8", &expert_gemm_fp8);
   m.impl("quantize_rows_e4m3", &quantize_rows_e4m3);
+  m.impl("quantize_weight_e4m3", &quantize_weight_e4m3);
   m.impl("combine", &combine);
   m.impl("moe_epilogue", &moe_epilogue);
   m.impl("moe_epilogue_wait", &moe_epilogue_wait);

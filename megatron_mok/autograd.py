@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import functional
+from . import fp8, functional
 from .config import MoKConfig
 from .workspace import MoKInputError, get_workspace
 
@@ -13,7 +13,11 @@ from .workspace import MoKInputError, get_workspace
 class _MoKMoE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, probs, fc1, fc2, shared_fc1, shared_fc2, cfg, ws, sched, main_grads):
-        out, fwd_ctx = functional.forward(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2)
+        fp8_weights = None
+        if cfg.precision == "fp8":  # quantized once per weight version (fp8.WeightCache)
+            fp8_weights = fp8.WEIGHT_CACHE.get(fc1, fc2, functional.quantize_expert_weights)
+        out, fwd_ctx = functional.forward(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2,
+                                          fp8_weights=fp8_weights)
         ctx.cfg, ctx.ws, ctx.sched, ctx.fwd_ctx, ctx.main_grads = cfg, ws, sched, fwd_ctx, main_grads
         ctx.save_for_backward(x, probs, fc1, fc2, shared_fc1, shared_fc2)
         return out
@@ -55,6 +59,9 @@ def mok_moe(x, top_experts, probs, fc1, fc2, shared_fc1=None, shared_fc2=None, *
     x [T, H]; top_experts int [T, k] global expert ids; probs fp32 [T, k]; fc1 [nle, 2I, H];
     fc2 [nle, H, I]; shared weights optional. ``group`` is the expert-parallel group (None: the
     default group when torch.distributed is initialized, else a single rank).
+    ``cfg.precision == "fp8"``: the routed weights' e4m3 copies come from ``fp8.WEIGHT_CACHE``;
+    a weight changed through ``.data`` needs ``fp8.WEIGHT_CACHE.clear()`` (optimizer steps clear it
+    once ``fp8.WEIGHT_CACHE.register_optimizer_hook()`` ran; the Megatron adapter does that).
     """
     cfg = cfg or MoKConfig()
     if not isinstance(x, torch.Tensor) or x.dim() != 2:

@@ -12,14 +12,16 @@ The recipe (DeepSeek-V3's fine-grained scaling):
 The GEMM sums each 128-column block afresh in the tensor cores and adds it, times its two
 scales, to fp32 accumulators (csrc/kernels/expert_gemm_fp8.cuh).
 
-Weights are quantized once per weight version by the caller (``quantize_expert_weights``): the
-layer cannot tell whether a weight changed (updates through ``.data`` do not bump the version
-counter), so it never caches them itself.
+Weights are quantized once per weight version: by the caller of ``functional.forward``
+(``fp8_weights=``), or through ``WeightCache`` (``mok_moe`` and the Megatron layer), which keys
+on the weights' storage and version counter and is cleared after every optimizer step (updates
+through ``.data``, as Megatron's optimizers copy the new weights, do not bump version counters).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 
@@ -31,7 +33,10 @@ WEIGHT_CHUNK = 8  # experts quantized per step of quantize_weight
 
 
 def _scale_of(amax: torch.Tensor) -> torch.Tensor:
-    return amax.float().clamp(min=MIN_AMAX) / E4M3_MAX
+    # an elementwise division by a tensor: CUDA divides by a Python scalar as a product with its
+    # rounded reciprocal, which is 1 ulp off now and then (and the kernels divide exactly)
+    a = amax.float().clamp(min=MIN_AMAX)
+    return a / torch.full_like(a, E4M3_MAX)
 
 
 def _to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -123,3 +128,43 @@ def quantize_expert_weights(fc1: torch.Tensor, fc2: torch.Tensor) -> FP8ExpertWe
     """Quantize the routed experts' weights once per weight version (device ops, no host sync)."""
     with torch.no_grad():
         return FP8ExpertWeights(quantize_weight(fc1, swiglu=True), quantize_weight(fc2, swiglu=False))
+
+
+class WeightCache:
+    """e4m3 copies of the routed weights, one per (fc1, fc2) storage and version.
+
+    An entry is dropped when the weights' version counters move (in-place updates through
+    autograd-visible ops, checkpoint loads) and all entries after every ``torch.optim`` step
+    (``register_optimizer_hook``): Megatron writes the stepped weights through ``.data``, which the
+    version counters do not see.
+    """
+
+    def __init__(self):
+        self._entries: dict = {}
+        self._hook = None
+
+    def get(self, fc1: torch.Tensor, fc2: torch.Tensor, quantize) -> FP8ExpertWeights:
+        key = (fc1.data_ptr(), fc2.data_ptr(), tuple(fc1.shape), tuple(fc2.shape), fc1.device)
+        version = (fc1._version, fc2._version)
+        hit = self._entries.get(key)
+        if hit is not None and hit[0] == version and hit[1]() is fc1 and hit[2]() is fc2:
+            return hit[3]
+        weights = quantize(fc1, fc2)
+        self._entries[key] = (version, weakref.ref(fc1), weakref.ref(fc2), weights)
+        return weights
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def register_optimizer_hook(self) -> None:
+        """Clear after every optimizer step (of any torch.optim optimizer; idempotent)."""
+        if self._hook is None:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            self._hook = register_optimizer_step_post_hook(lambda *_: self.clear())
+
+
+WEIGHT_CACHE = WeightCache()

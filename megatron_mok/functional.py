@@ -103,6 +103,13 @@ def quantize_expert_weights(fc1: torch.Tensor, fc2: torch.Tensor) -> fp8.FP8Expe
     ``MoKConfig(precision="fp8")``. Quantize once per weight version (e.g. per optimizer step)."""
     fp8.check_k("fc1 (H)", fc1.shape[-1])
     fp8.check_k("fc2 (I)", fc2.shape[-1])
+    if fc1.dtype == torch.bfloat16 and fc2.dtype == torch.bfloat16 and _use_kernels(fc1):
+        from . import ops  # the same bits as fp8.quantize_weight, ~30x faster than PyTorch ops
+
+        with torch.no_grad():
+            return fp8.FP8ExpertWeights(
+                fp8.E4M3Weight(*ops.quantize_weight_e4m3(fc1.contiguous(), True), swiglu=True),
+                fp8.E4M3Weight(*ops.quantize_weight_e4m3(fc2.contiguous(), False), swiglu=False))
     return fp8.quantize_expert_weights(fc1, fc2)
 
 

@@ -63,7 +63,7 @@ def _register_fakes() -> None:
                  "combine", "moe_epilogue", "moe_epilogue_wait", "megakernel", "megakernel_timeline",
                  "bwd_publish", "bwd_pull",
                  "bwd_tight_map", "gather_rows", "swiglu_backward", "expert_dgrad", "expert_wgrad", "zero_empty_segments", "bwd_push",
-                 "bwd_epilogue_wait", "bwd_megakernel", "expert_gemm_fp8", "quantize_rows_e4m3"):
+                 "bwd_epilogue_wait", "bwd_megakernel", "expert_gemm_fp8", "quantize_rows_e4m3", "quantize_weight_e4m3"):
         torch.library.register_fake(f"megatron_mok::{name}")(_noop)
 
 
@@ -132,6 +132,19 @@ def quantize_rows_e4m3(x: torch.Tensor, rows_end: torch.Tensor | None = None):
     q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((k // 128, ld), dtype=torch.float32, device=x.device)
     _ops().quantize_rows_e4m3(x, q, scale, rows_end)
+    return q, scale
+
+
+def quantize_weight_e4m3(w: torch.Tensor, swiglu: bool):
+    """w [nseg, rows, K] bf16 -> (q e4m3, scale [nseg, tiles, K / 128] fp32), the bits of
+    ``fp8.quantize_weight`` (tiles of 128 rows; swiglu: gate rows 64 t .. 64 t + 63 with the same
+    up rows)."""
+    nseg, rows, k = w.shape
+    n = rows // 2 if swiglu else rows
+    tiles = -(-n // (64 if swiglu else 128))
+    q = torch.empty((nseg, rows, k), dtype=torch.float8_e4m3fn, device=w.device)
+    scale = torch.empty((nseg, tiles, k // 128), dtype=torch.float32, device=w.device)
+    _ops().quantize_weight_e4m3(w, q, scale, swiglu)
     return q, scale
 
 

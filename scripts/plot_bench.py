@@ -18,7 +18,7 @@ import json
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BACKEND_ORDER = ["mok", "mok_ab", "mok_staged", "mok_recompute", "alltoall", "symm_a2a"]
+BACKEND_ORDER = ["mok", "mok@precision=fp8", "mok_ab", "mok_staged", "mok_recompute", "alltoall", "symm_a2a"]
 
 
 def load(paths):

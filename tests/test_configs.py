@@ -76,5 +76,17 @@ def test_fp8_flags_stop_mok_with_a_message(monkeypatch):
 
     base = (CONFIGS / "deepseek-v3-tiny.args").read_text().split()
     monkeypatch.setattr(sys, "argv", ["pretrain", *base, "--moe-backend", "mok", "--fp8-format", "e4m3"])
-    with pytest.raises(MoKConfigError, match=r"--fp8-format e4m3: --moe-backend mok runs bf16 in Megatron"):
+    with pytest.raises(MoKConfigError, match=r"--fp8-format e4m3: .* use --mok-precision fp8"):
         mok_config_from_args(parse_args(add_mok_args))
+
+
+def test_mok_precision_flag_selects_fp8(monkeypatch):
+    from megatron.training.arguments import parse_args
+
+    from megatron_mok.adapter.backends import add_mok_args, mok_config_from_args
+
+    base = (CONFIGS / "deepseek-v3-tiny.args").read_text().split()
+    monkeypatch.setattr(sys, "argv", ["pretrain", *base, "--moe-backend", "mok", "--mok-precision", "fp8"])
+    assert mok_config_from_args(parse_args(add_mok_args)).precision == "fp8"
+    monkeypatch.setattr(sys, "argv", ["pretrain", *base, "--moe-backend", "mok"])
+    assert mok_config_from_args(parse_args(add_mok_args)).precision == "bf16"

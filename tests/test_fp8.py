@@ -112,3 +112,35 @@ def test_fp8_input_errors():
         functional.forward(cfg, ws2, sched2, x2, probs2, fc1b, fc2b)
     with pytest.raises(ValueError, match="not a multiple of the 128-column scale blocks"):
         functional.quantize_expert_weights(fc1b, fc2b)
+
+
+def test_weight_cache_follows_versions_and_optimizer_steps():
+    """fp8.WeightCache: one quantization per weight version; in-place updates and optimizer steps
+    (which Megatron applies through .data, invisible to version counters) start a new one."""
+    cache = fp8.WeightCache()
+    calls = []
+
+    def quantize(a, b):
+        calls.append(1)
+        return fp8.quantize_expert_weights(a, b)
+
+    fc1 = torch.nn.Parameter(torch.randn(2, 256, 128).bfloat16())
+    fc2 = torch.nn.Parameter(torch.randn(2, 128, 128).bfloat16())
+    w = cache.get(fc1, fc2, quantize)
+    assert cache.get(fc1, fc2, quantize) is w and len(calls) == 1
+    with torch.no_grad():
+        fc1.mul_(2.0)  # a visible in-place update bumps the version counter
+    w2 = cache.get(fc1, fc2, quantize)
+    assert len(calls) == 2 and torch.equal(w2.fc1.scale, 2 * w.fc1.scale)
+    fc2.data.mul_(0.5)  # through .data: not visible, until the optimizer hook clears the cache
+    assert cache.get(fc1, fc2, quantize) is w2
+    cache.register_optimizer_hook()
+    cache.register_optimizer_hook()  # idempotent
+    opt = torch.optim.SGD([fc1, fc2], lr=0.0)
+    fc1.grad, fc2.grad = torch.zeros_like(fc1), torch.zeros_like(fc2)
+    opt.step()
+    w3 = cache.get(fc1, fc2, quantize)
+    assert len(calls) == 3 and torch.equal(w3.fc2.scale, 0.5 * w2.fc2.scale)
+    other = torch.nn.Parameter(fc1.detach().clone())  # another tensor: its own entry
+    cache.get(other, fc2, quantize)
+    assert len(calls) == 4 and len(cache) == 2

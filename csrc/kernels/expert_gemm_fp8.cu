@@ -95,6 +95,52 @@ __global__ void __launch_bounds__(256) quantize_rows_e4m3_kernel(const __nv_bflo
   }
 }
 
+// One CTA per (expert, 128-row weight tile, 128 columns): the tile's rows are rows 128 t .. 128 t + 127
+// (plain) or gate rows 64 t .. 64 t + 63 and the same up rows (swiglu: w holds [gate (n); up (n)]),
+// rows at or past n of a half count as zeros (fp8.quantize_weight pads them). A thread holds 8
+// columns of 8 rows (16-byte loads); s = max(amax, kMinAmax) / 448, q = e4m3(w / s).
+__global__ void __launch_bounds__(256) quantize_weight_e4m3_kernel(const __nv_bfloat16* __restrict__ w,
+                                                                   uint8_t* __restrict__ q, float* __restrict__ scale,
+                                                                   int rows, int n, int K, int tiles, bool swiglu) {
+  __shared__ float warp_max[8];
+  const int nkb = K / 128;
+  const int kb = blockIdx.x % nkb, tile = (blockIdx.x / nkb) % tiles, seg = blockIdx.x / nkb / tiles;
+  const int chunk = threadIdx.x % 16, r0 = threadIdx.x / 16;
+  int64_t off[8];
+  bool live[8];
+  float v[8][8];
+  float amax = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int rl = r0 + 16 * j;  // the tile's row 0..127
+    const int half = swiglu ? rl / 64 : 0, idx = swiglu ? tile * 64 + rl % 64 : tile * 128 + rl;
+    live[j] = idx < n;
+    off[j] = ((int64_t)seg * rows + half * n + idx) * K + kb * 128 + 8 * chunk;
+    if (live[j]) {
+      unpack8(ld16(w + off[j]), v[j]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[j][e]));
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
+  __syncthreads();
+  amax = warp_max[0];
+#pragma unroll
+  for (int i = 1; i < 8; ++i) amax = fmaxf(amax, warp_max[i]);
+  const float s = __fdiv_rn(fmaxf(amax, kMinAmax), kE4m3Max);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    if (!live[j]) continue;
+    uint2 out;
+    out.x = e4m3x4(__fdiv_rn(v[j][0], s), __fdiv_rn(v[j][1], s), __fdiv_rn(v[j][2], s), __fdiv_rn(v[j][3], s));
+    out.y = e4m3x4(__fdiv_rn(v[j][4], s), __fdiv_rn(v[j][5], s), __fdiv_rn(v[j][6], s), __fdiv_rn(v[j][7], s));
+    *reinterpret_cast<uint2*>(q + off[j]) = out;
+  }
+  if (threadIdx.x == 0) scale[((int64_t)seg * tiles + tile) * nkb + kb] = s;
+}
+
 }  // namespace
 
 const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, int K, const float* x_scale,
@@ -145,6 +191,22 @@ const char* launch_quantize_rows_e4m3(const void* x, int64_t rows, int K, void* 
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((pairs + 7) / 8, 16 * (int64_t)num_sms()));
   quantize_rows_e4m3_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(x), static_cast<uint8_t*>(q), scale, rows, K, ld, rows_end);
+  return launch_status();
+}
+
+
+const char* launch_quantize_weight_e4m3(const void* w, int nseg, int rows, int K, bool swiglu, void* q, float* scale,
+                                        cudaStream_t stream) {
+  if (nseg <= 0 || rows <= 0) return nullptr;
+  if (K <= 0 || K % 128) return "mok quantize_weight_e4m3: K must be a positive multiple of 128";
+  if (swiglu && rows % 2) return "mok quantize_weight_e4m3: swiglu weights hold [gate; up]: an even row count";
+  if (!aligned16(w) || !aligned16(q)) return "mok quantize_weight_e4m3: w and q must be 16-byte aligned";
+  const int n = swiglu ? rows / 2 : rows;
+  const int tiles = swiglu ? (n + 63) / 64 : (n + 127) / 128;
+  const int64_t blocks = (int64_t)nseg * tiles * (K / 128);
+  if (blocks > INT32_MAX) return "mok quantize_weight_e4m3: too many blocks";
+  quantize_weight_e4m3_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(w), static_cast<uint8_t*>(q), scale, rows, n, K, tiles, swiglu);
   return launch_status();
 }
 

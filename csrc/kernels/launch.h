@@ -96,6 +96,12 @@ const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, in
 const char* launch_quantize_rows_e4m3(const void* x, int64_t rows, int K, void* q, float* scale, int ld,
                                       const int* rows_end, cudaStream_t stream);
 
+// w [nseg, rows, K] bf16 -> q [nseg, rows, K] e4m3 with one scale per (expert, 128-row tile, 128
+// columns), scale [nseg][tiles][K / 128]; swiglu: w holds [gate; up] and tile t is gate rows
+// 64 t .. 64 t + 63 with the same up rows (the tiles launch_expert_gemm_fp8 reads).
+const char* launch_quantize_weight_e4m3(const void* w, int nseg, int rows, int K, bool swiglu, void* q, float* scale,
+                                        cudaStream_t stream);
+
 // Push-combine: routed row i's output y[i] -> slot row_src_slot[i] of rank row_src_rank[i]'s
 // symmetric combine buffer [T * k, H]. Slots are unique: plain stores, no atomics.
 const char* launch_combine(const void* y, const int* row_src_rank, const int* row_src_slot, const int* expert_offsets,

@@ -60,6 +60,9 @@ def add_mok_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="fraction of the worst case the routed buffer holds (1.0 never overflows)")
     group.add_argument("--mok-peer-timeout-s", type=float, default=defaults.peer_timeout_s,
                        help="seconds a device-side wait on a peer may take before it errors")
+    group.add_argument("--mok-precision", choices=("bf16", "fp8"), default=defaults.precision,
+                       help="fp8: the routed experts' forward GEMMs on block-scaled e4m3 operands "
+                            "(weights quantized once per optimizer step); the rest of the layer bf16")
     group.add_argument("--mok-recompute-gate-up", action="store_true",
                        help="do not keep the gate/up GEMM outputs for the backward; recompute them "
                             "(less activation memory, one GEMM more, same bits)")
@@ -72,6 +75,7 @@ _ARG_TO_FIELD = {
     "mok_minibatch_rows": "minibatch_rows",
     "mok_capacity_factor": "capacity_factor",
     "mok_peer_timeout_s": "peer_timeout_s",
+    "mok_precision": "precision",
 }
 
 
@@ -80,9 +84,9 @@ def mok_config_from_args(args) -> MoKConfig:
     if getattr(args, "mok_recompute_gate_up", False):
         values["save_gate_up"] = False
     if getattr(args, "fp8", None):
-        raise MoKConfigError(f"--fp8-format {args.fp8}: --moe-backend mok runs bf16 in Megatron (its block-scaled "
-                             "e4m3 forward GEMMs, MoKConfig(precision='fp8') in megatron_mok.functional, are not "
-                             "wired to Megatron's fp8 recipe yet); drop the fp8 flags or choose --moe-backend alltoall")
+        raise MoKConfigError(f"--fp8-format {args.fp8}: Megatron's fp8 recipe (TransformerEngine) does not "
+                             "cover --moe-backend mok's experts; use --mok-precision fp8 for mok's block-scaled "
+                             "e4m3 expert GEMMs, or choose --moe-backend alltoall")
     try:
         return MoKConfig(**values)
     except MoKConfigError as err:
@@ -116,7 +120,12 @@ def apply_backend(args) -> None:
     if backend == "mok":
         from .layer import set_mok_config
 
-        set_mok_config(mok_config_from_args(args))
+        cfg = mok_config_from_args(args)
+        set_mok_config(cfg)
+        if cfg.precision == "fp8":
+            from .. import fp8
+
+            fp8.WEIGHT_CACHE.register_optimizer_hook()  # the e4m3 weights follow every step
         args.moe_token_dispatcher_type = "alltoall"
     elif backend in ("alltoall", "allgather"):
         args.moe_token_dispatcher_type = backend
