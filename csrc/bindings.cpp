@@ -223,25 +223,54 @@ void expert_gemm_fp8(const Tensor& x8, const Tensor& x_scale, const Tensor& w8, 
                                     current_stream()));
 }
 
-void quantize_rows_e4m3(const Tensor& x, Tensor& q, Tensor& scale, const std::optional<Tensor>& rows_end) {
+// The scales of rows x 128-column blocks: [K / 128, ld >= rows] (the GEMM's; scale_rows false) or
+// [rows' >= rows, pitch >= K / 128] (one row per token, the dispatch's; scale_rows true).
+std::pair<int64_t, int64_t> scale_strides(const Tensor& scale, int64_t rows, int64_t nkb, bool scale_rows,
+                                          const char* op) {
+  check_cuda(scale, "scale", at::kFloat);
+  if (scale_rows) {
+    MOK_CHECK(scale.dim() == 2 && scale.size(0) >= rows && scale.size(1) >= nkb,
+              "megatron_mok: %s scale must be [>= rows, >= K / 128] (scale_rows)", op);
+    return {scale.size(1), 1};
+  }
+  MOK_CHECK(scale.dim() == 2 && scale.size(0) == nkb && scale.size(1) >= rows && scale.size(1) % 4 == 0,
+            "megatron_mok: %s scale must be [K / 128, ld >= rows], ld a multiple of 4", op);
+  return {1, scale.size(1)};
+}
+
+const int* rows_end_ptr(const std::optional<Tensor>& rows_end, const char* op) {
+  if (!rows_end.has_value()) return nullptr;
+  MOK_CHECK(rows_end->is_cuda() && rows_end->scalar_type() == at::kInt && rows_end->numel() == 1,
+            "megatron_mok: %s rows_end must be one int32 on the device", op);
+  return rows_end->data_ptr<int>();
+}
+
+void quantize_rows_e4m3(const Tensor& x, Tensor& q, Tensor& scale, const std::optional<Tensor>& rows_end,
+                        bool scale_rows) {
   check_cuda(x, "x", at::kBFloat16);
   check_cuda(q, "q", at::kFloat8_e4m3fn);
-  check_cuda(scale, "scale", at::kFloat);
   TORCH_CHECK(x.dim() == 2 && q.sizes() == x.sizes(), "megatron_mok: quantize_rows_e4m3 x and q must be [rows, K]");
-  const int64_t K = x.size(1), nkb = K / 128;
+  const int64_t K = x.size(1);
   TORCH_CHECK(K % 128 == 0, "megatron_mok: quantize_rows_e4m3 K must be a multiple of 128");
-  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == nkb && scale.size(1) >= x.size(0) && scale.size(1) % 4 == 0,
-              "megatron_mok: quantize_rows_e4m3 scale must be [K / 128, ld >= rows], ld a multiple of 4");
-  const int* end = nullptr;
-  if (rows_end.has_value()) {
-    TORCH_CHECK(rows_end->is_cuda() && rows_end->scalar_type() == at::kInt && rows_end->numel() == 1,
-                "megatron_mok: quantize_rows_e4m3 rows_end must be one int32 on the device");
-    end = rows_end->data_ptr<int>();
-  }
+  const auto st = scale_strides(scale, x.size(0), K / 128, scale_rows, "quantize_rows_e4m3");
+  const int* end = rows_end_ptr(rows_end, "quantize_rows_e4m3");
   c10::cuda::CUDAGuard guard(x.device());
   check(mok::launch_quantize_rows_e4m3(x.data_ptr(), x.size(0), static_cast<int>(K), q.data_ptr(),
-                                       scale.data_ptr<float>(), static_cast<int>(scale.size(1)), end,
-                                       current_stream()));
+                                       scale.data_ptr<float>(), st.first, st.second, end, current_stream()));
+}
+
+void dequantize_rows_e4m3(const Tensor& q, const Tensor& scale, Tensor& x, const std::optional<Tensor>& rows_end,
+                          bool scale_rows) {
+  check_cuda(q, "q", at::kFloat8_e4m3fn);
+  check_cuda(x, "x", at::kBFloat16);
+  TORCH_CHECK(q.dim() == 2 && q.sizes() == x.sizes(), "megatron_mok: dequantize_rows_e4m3 q and x must be [rows, K]");
+  const int64_t K = q.size(1);
+  TORCH_CHECK(K % 128 == 0, "megatron_mok: dequantize_rows_e4m3 K must be a multiple of 128");
+  const auto st = scale_strides(scale, q.size(0), K / 128, scale_rows, "dequantize_rows_e4m3");
+  const int* end = rows_end_ptr(rows_end, "dequantize_rows_e4m3");
+  c10::cuda::CUDAGuard guard(q.device());
+  check(mok::launch_dequantize_rows_e4m3(q.data_ptr(), scale.data_ptr<float>(), st.first, st.second, x.data_ptr(),
+                                         q.size(0), static_cast<int>(K), end, current_stream()));
 }
 
 void quantize_weight_e4m3(const Tensor& w, Tensor& q, Tensor& scale, bool swiglu) {
@@ -761,7 +790,8 @@ TORCH_LIBRARY(megatron_mok, m) {
   m.def(
       "expert_gemm_fp8(Tensor x8, Tensor x_scale, Tensor w8, Tensor w_scale, Tensor seg_offsets, Tensor seg_counts, "
       "Tensor(a!) out, Tensor(b!)? pre_out, bool swiglu, int num_ctas=0) -> ()");
-  m.def("quantize_rows_e4m3(Tensor x, Tensor(a!) q, Tensor(b!) scale, Tensor? rows_end=None) -> ()");
+  m.def("quantize_rows_e4m3(Tensor x, Tensor(a!) q, Tensor(b!) scale, Tensor? rows_end=None, bool scale_rows=False) -> ()");
+  m.def("dequantize_rows_e4m3(Tensor q, Tensor scale, Tensor(a!) x, Tensor? rows_end=None, bool scale_rows=False) -> ()");
   m.def("quantize_weight_e4m3(Tensor w, Tensor(a!) q, Tensor(b!) scale, bool swiglu) -> ()");
   m.def(
       "combine(Tensor y, Tensor row_src_rank, Tensor row_src_slot, Tensor expert_offsets, Tensor(a!) state, "
@@ -817,6 +847,7 @@ TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("grouped_gemm", &grouped_gemm);
   m.impl("expert_gemm_fp8", &expert_gemm_fp8);
   m.impl("quantize_rows_e4m3", &quantize_rows_e4m3);
+  m.impl("dequantize_rows_e4m3", &dequantize_rows_e4m3);
   m.impl("quantize_weight_e4m3", &quantize_weight_e4m3);
   m.impl("combine", &combine);
   m.impl("moe_epilogue", &moe_epilogue);

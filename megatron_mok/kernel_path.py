@@ -68,14 +68,19 @@ class KernelContext:
     ``h`` / ``shared_h``: the gate/up pre-activations, written by the same GEMM epilogue that
     activates them (``MoKConfig.save_gate_up``); None: the backward recomputes them with that GEMM
     (same bits, one gate/up GEMM more, 2 I (2 Is) bf16 less per routed row (token)).
+    fp8 (``MoKConfig.precision``): the rows were dispatched in e4m3 (``x_e4m3``, ``x_scale``: half
+    the bytes); ``routed_rows`` dequantizes them for the backward. ``h`` is always kept (a bf16
+    recompute would not give the e4m3 GEMM's values).
     """
 
-    x_routed: torch.Tensor  # [cap, H] dispatched rows
+    x_routed: torch.Tensor | None  # [cap, H] dispatched rows (fp8: None until the backward dequantizes)
     act: torch.Tensor  # [cap, I] silu(x_routed @ gate^T) * (x_routed @ up^T)
     y_routed: torch.Tensor  # [cap, H] unweighted expert outputs (router-weight gradient)
     shared_act: torch.Tensor | None  # [T, Is] SwiGLU output of the shared expert
     h: torch.Tensor | None = None  # [cap, 2I] [x_routed @ gate^T | x_routed @ up^T]
     shared_h: torch.Tensor | None = None  # [T, 2Is]
+    x_e4m3: torch.Tensor | None = None  # fp8: [cap, H] the dispatched rows in e4m3
+    x_scale: torch.Tensor | None = None  # fp8: [cap, >= H / 128] their scales, one row per routed row
 
     def nbytes(self) -> int:
         """Bytes this context holds (the activation memory the layer keeps for its backward)."""
@@ -185,32 +190,67 @@ def build_schedule(cfg: MoKConfig, ws: MoKWorkspace, top_experts: torch.Tensor) 
 # ---- forward ------------------------------------------------------------------------------------
 
 
-def _routed_experts_fp8(sched, x_routed, w8, act, h, y_routed, gemm_ctas) -> None:
-    """The routed gate/up and down GEMMs on block-scaled e4m3 operands: the dispatched rows and
-    the SwiGLU output are quantized per (row, 128 columns) up to the last segment's end; the
-    outputs (act, h, y_routed) stay bf16."""
-    end = sched.expert_offsets[-1:]
-    xq, xs = ops.quantize_rows_e4m3(x_routed, end)
-    ops.expert_gemm_fp8(xq, xs, w8.fc1.q, w8.fc1.scale, sched.expert_offsets, sched.expert_counts, act, True,
+def _dispatch_fp8(cfg, ws, sched, x, comm_ctas):
+    """Quantize this rank's rows into symmetric buffers (one scale per row and 128 columns), barrier,
+    then pull the e4m3 rows and their scale rows: half the bytes of the bf16 dispatch, and T rows to
+    quantize instead of the routed ones. Returns (x_e4m3 [cap, H], x_scale [cap, pitch] fp32)."""
+    c = _comm(ws)
+    T, H, k, cap = ws.num_tokens, ws.hidden, ws.topk, sched.capacity
+    pitch = -(-(H // fp8.BLOCK) // 4) * 4  # whole 16-byte row pieces for the row copies
+    # the row copies move bf16 pairs: e4m3 bytes and fp32 scales ride as bf16-typed rows
+    q_sym, q_ptrs = c.buffer("x_e4m3", (T, H // 2), torch.bfloat16)
+    s_sym, s_ptrs = c.buffer("x_scale", (T, 2 * pitch), torch.bfloat16)
+    ops.quantize_rows_e4m3_into(x.contiguous(), q_sym.view(torch.float8_e4m3fn), s_sym.view(torch.float32),
+                                scale_rows=True)
+    ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
+    q_routed = torch.empty((cap, H // 2), dtype=torch.bfloat16, device=ws.device)
+    s_routed = torch.empty((cap, 2 * pitch), dtype=torch.bfloat16, device=ws.device)
+    ops.dispatch(sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, q_routed, q_ptrs, k, comm_ctas)
+    ops.dispatch(sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, s_routed, s_ptrs, k, comm_ctas)
+    return q_routed.view(torch.float8_e4m3fn), s_routed.view(torch.float32)
+
+
+def _routed_experts_fp8(sched, x_e4m3, x_scale, w8, act, h, y_routed, gemm_ctas) -> None:
+    """The routed gate/up and down GEMMs on block-scaled e4m3 operands (the dispatched e4m3 rows;
+    the SwiGLU output quantized up to the last segment's end); outputs bf16."""
+    nkb = x_e4m3.shape[1] // fp8.BLOCK
+    xs = x_scale[:, :nkb].t().contiguous()  # the GEMM reads a stage's 128 row scales as one box
+    ops.expert_gemm_fp8(x_e4m3, xs, w8.fc1.q, w8.fc1.scale, sched.expert_offsets, sched.expert_counts, act, True,
                         pre_out=h, num_ctas=gemm_ctas)
-    aq, as_ = ops.quantize_rows_e4m3(act, end)
+    aq, as_ = ops.quantize_rows_e4m3(act, sched.expert_offsets[-1:])
     ops.expert_gemm_fp8(aq, as_, w8.fc2.q, w8.fc2.scale, sched.expert_offsets, sched.expert_counts, y_routed, False,
                         num_ctas=gemm_ctas)
+
+
+def routed_rows(ctx: KernelContext, sched: MoKSchedule) -> torch.Tensor:
+    """ctx.x_routed; fp8: the e4m3 rows dequantized to bf16 (once, then kept in the context)."""
+    if ctx.x_routed is None:
+        x = torch.empty(ctx.x_e4m3.shape, dtype=torch.bfloat16, device=ctx.x_e4m3.device)
+        ops.dequantize_rows_e4m3(ctx.x_e4m3, ctx.x_scale, x, sched.expert_offsets[-1:], scale_rows=True)
+        ctx.x_routed = x
+    return ctx.x_routed
 
 
 def _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1, *, keep_gate_up: bool, gemm_ctas=0,
                           comm_ctas=0, fp8_weights=None) -> KernelContext:
     """Steps 1-4 of the forward. Peers may still read this rank's x buffer afterwards: the caller
     ends with a barrier before any rank rewrites it (``forward``: before the epilogue)."""
-    c = _comm(ws)
-    T, H, k, cap = ws.num_tokens, ws.hidden, ws.topk, sched.capacity
+    T, H, cap = ws.num_tokens, ws.hidden, sched.capacity
     I = fc1.shape[1] // 2
     bf16 = dict(dtype=torch.bfloat16, device=ws.device)
-    xs, x_ptrs = c.buffer("x", (T, H), torch.bfloat16)
-    xs.copy_(x)
-    ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
-    x_routed = torch.empty((cap, H), **bf16)
-    ops.dispatch(sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, x_routed, x_ptrs, k, comm_ctas)
+    quant = cfg.precision == "fp8"
+    x_routed = x_e4m3 = x_scale = None
+    if quant:
+        x_e4m3, x_scale = _dispatch_fp8(cfg, ws, sched, x, comm_ctas)
+        keep_gate_up = True
+    else:
+        c = _comm(ws)
+        xs, x_ptrs = c.buffer("x", (T, H), torch.bfloat16)
+        xs.copy_(x)
+        ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
+        x_routed = torch.empty((cap, H), **bf16)
+        ops.dispatch(sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, x_routed, x_ptrs, ws.topk,
+                     comm_ctas)
     shared_act = shared_h = None
     if shared_fc1 is not None:
         shared_act = torch.empty((T, shared_fc1.shape[0] // 2), **bf16)
@@ -219,10 +259,10 @@ def _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1, *, keep_gate_
     act = torch.empty((cap, I), **bf16)
     h = torch.empty((cap, 2 * I), **bf16) if keep_gate_up else None
     y_routed = torch.empty((cap, H), **bf16)
-    if cfg.precision == "fp8":
-        _routed_experts_fp8(sched, x_routed, fp8_weights or fp8.quantize_expert_weights(fc1, fc2), act, h, y_routed,
-                            gemm_ctas)
-        return KernelContext(x_routed, act, y_routed, shared_act, h, shared_h)
+    if quant:
+        _routed_experts_fp8(sched, x_e4m3, x_scale, fp8_weights or fp8.quantize_expert_weights(fc1, fc2), act, h,
+                            y_routed, gemm_ctas)
+        return KernelContext(None, act, y_routed, shared_act, h, shared_h, x_e4m3, x_scale)
     ops.grouped_gemm(x_routed, fc1.contiguous(), sched.expert_offsets, act, True, gemm_ctas, sched.expert_counts,
                      pre_out=h)
     ops.grouped_gemm(act, fc2.contiguous(), sched.expert_offsets, y_routed, False, gemm_ctas, sched.expert_counts)
@@ -349,11 +389,12 @@ def _backward_unsupported_reason(ws: MoKWorkspace, x, fc1, shared_fc1) -> str | 
     return None
 
 
-def _reference_backward(ws, sched, ctx, grad_out, x, probs, fc1, fc2, shared_fc1, shared_fc2, main_grads):
+def _reference_backward(ws, sched, ctx, grad_out, x, probs, fc1, fc2, shared_fc1, shared_fc2, main_grads,
+                        precision="bf16"):
     from .functional import MoKGrads
 
     if not isinstance(ctx, reference.ReferenceContext):
-        ctx = reference.recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1)
+        ctx = reference.recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1, precision)
     dx, dprobs, *wgrads = reference.backward(ws, sched, ctx, grad_out, x, probs, fc1, fc2, shared_fc1, shared_fc2)
     return MoKGrads(dx.to(x.dtype), dprobs, *_accumulate(wgrads, main_grads))
 
@@ -516,9 +557,11 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     if reason is not None:
         _fallback(reason)
     if reason is not None or path == "reference" or isinstance(ctx, reference.ReferenceContext):
-        return _reference_backward(ws, sched, ctx, grad_out, x, probs, fc1, fc2, shared_fc1, shared_fc2, main_grads)
+        return _reference_backward(ws, sched, ctx, grad_out, x, probs, fc1, fc2, shared_fc1, shared_fc2, main_grads,
+                                   cfg.precision)
     if ctx is None:
         ctx = recompute_forward_context(cfg, ws, sched, x, fc1, fc2, shared_fc1)
+    routed_rows(ctx, sched)  # fp8: the dispatched e4m3 rows as bf16 (the weight gradient's operand)
 
     c = _comm(ws)
     T, H, k, cap = ws.num_tokens, ws.hidden, ws.topk, sched.capacity

@@ -63,7 +63,7 @@ def _register_fakes() -> None:
                  "combine", "moe_epilogue", "moe_epilogue_wait", "megakernel", "megakernel_timeline",
                  "bwd_publish", "bwd_pull",
                  "bwd_tight_map", "gather_rows", "swiglu_backward", "expert_dgrad", "expert_wgrad", "zero_empty_segments", "bwd_push",
-                 "bwd_epilogue_wait", "bwd_megakernel", "expert_gemm_fp8", "quantize_rows_e4m3", "quantize_weight_e4m3"):
+                 "bwd_epilogue_wait", "bwd_megakernel", "expert_gemm_fp8", "quantize_rows_e4m3", "dequantize_rows_e4m3", "quantize_weight_e4m3"):
         torch.library.register_fake(f"megatron_mok::{name}")(_noop)
 
 
@@ -131,8 +131,20 @@ def quantize_rows_e4m3(x: torch.Tensor, rows_end: torch.Tensor | None = None):
     ld = -(-rows // 4) * 4
     q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((k // 128, ld), dtype=torch.float32, device=x.device)
-    _ops().quantize_rows_e4m3(x, q, scale, rows_end)
+    _ops().quantize_rows_e4m3(x, q, scale, rows_end, False)
     return q, scale
+
+
+def quantize_rows_e4m3_into(x, q, scale, rows_end=None, scale_rows: bool = False) -> None:
+    """``quantize_rows_e4m3`` into given tensors; scale_rows: ``scale[row, kb]`` ([>= rows, >= K / 128],
+    one row per token, as the dispatch moves them) instead of ``scale[kb, row]``."""
+    _ops().quantize_rows_e4m3(x, q, scale, rows_end, scale_rows)
+
+
+def dequantize_rows_e4m3(q, scale, out, rows_end=None, scale_rows: bool = False) -> None:
+    """out [rows, K] bf16 = e4m3 q times its (row, 128-column) scale, rounded once (scales as in
+    ``quantize_rows_e4m3_into``); rows at or past rows_end are left as they were."""
+    _ops().dequantize_rows_e4m3(q, scale, out, rows_end, scale_rows)
 
 
 def quantize_weight_e4m3(w: torch.Tensor, swiglu: bool):

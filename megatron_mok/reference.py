@@ -89,7 +89,8 @@ def recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1=None, precision
 
     precision "fp8": the routed GEMMs' operands go through block-scaled e4m3 as the kernels
     quantize them (megatron_mok/fp8.py): dispatched rows, fc1, fc2 and the SwiGLU output (rounded
-    to bf16 first, as the kernels hold it). The context keeps the unquantized dispatched rows, as the kernels do.
+    to bf16 first, as the kernels hold it). The context keeps the dispatched rows as the kernels'
+    backward sees them: dequantized from e4m3 to bf16.
     """
     cd = _compute_dtype(x)
     xc = x.to(cd)
@@ -105,7 +106,10 @@ def recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1=None, precision
             continue
         rows = slice(start, start + count)
         if quant:
-            fc1_out[rows] = _qdq_rows(x_routed[rows]) @ w1[e].t()
+            xq = _qdq_rows(x_routed[rows])
+            # the kernels dispatch the e4m3 rows; their backward sees them dequantized to bf16
+            x_routed[rows] = xq.to(torch.bfloat16).to(cd)
+            fc1_out[rows] = xq @ w1[e].t()
             y_routed[rows] = _qdq_rows(_swiglu(fc1_out[rows])) @ w2[e].t()
             continue
         fc1_out[rows] = x_routed[rows] @ fc1[e].to(cd).t()

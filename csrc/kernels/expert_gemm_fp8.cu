@@ -2,6 +2,8 @@
 // of their token operands (bf16 rows -> e4m3 rows + one scale per row and 128 columns).
 #include <stdlib.h>
 
+#include <cuda_fp8.h>
+
 #include <algorithm>
 
 #include "expert_gemm_fp8.cuh"
@@ -55,12 +57,20 @@ __device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
   return (uint32_t)lo | ((uint32_t)hi << 16);
 }
 
+// Where the scale of (row, 128-column block kb) lives: the GEMM's [kb][row] (row stride 1) or the
+// dispatch's [row][kb] rows (kb stride 1).
+struct ScaleLayout {
+  int64_t row_stride, kb_stride;
+  __device__ __forceinline__ int64_t at(int64_t r, int kb) const { return r * row_stride + kb * kb_stride; }
+};
+
 // Half a warp per (row, 128-column block), 8 columns a lane (16-byte loads):
 // s = max(amax, kMinAmax) / 448, q = e4m3(x / s) (IEEE division, round to nearest even,
-// saturating), scale[kb][row] = s.
+// saturating).
 __global__ void __launch_bounds__(256) quantize_rows_e4m3_kernel(const __nv_bfloat16* __restrict__ x,
                                                                  uint8_t* __restrict__ q, float* __restrict__ scale,
-                                                                 int64_t rows, int K, int ld, const int* rows_end) {
+                                                                 int64_t rows, int K, ScaleLayout sl,
+                                                                 const int* rows_end) {
   if (rows_end != nullptr) rows = min(rows, (int64_t)max(0, *rows_end));
   const int half = threadIdx.x % 32 / 16, lane = threadIdx.x % 16;
   const int nkb = K / 128;
@@ -90,8 +100,33 @@ __global__ void __launch_bounds__(256) quantize_rows_e4m3_kernel(const __nv_bflo
       out.x = e4m3x4(__fdiv_rn(v[0], s), __fdiv_rn(v[1], s), __fdiv_rn(v[2], s), __fdiv_rn(v[3], s));
       out.y = e4m3x4(__fdiv_rn(v[4], s), __fdiv_rn(v[5], s), __fdiv_rn(v[6], s), __fdiv_rn(v[7], s));
       *reinterpret_cast<uint2*>(q + off) = out;
-      if (lane == 0) scale[(int64_t)kb * ld + r] = s;
+      if (lane == 0) scale[sl.at(r, kb)] = s;
     }
+  }
+}
+
+// x[r][c] = bf16(e4m3 q[r][c] * scale of (r, c / 128)), 8 columns a thread; rows below
+// min(rows, *rows_end) only.
+__global__ void __launch_bounds__(256) dequantize_rows_e4m3_kernel(const uint8_t* __restrict__ q,
+                                                                   const float* __restrict__ scale,
+                                                                   __nv_bfloat16* __restrict__ x, int64_t rows, int K,
+                                                                   ScaleLayout sl, const int* rows_end) {
+  if (rows_end != nullptr) rows = min(rows, (int64_t)max(0, *rows_end));
+  const int per_row = K / 8;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < rows * per_row;
+       i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = i / per_row;
+    const int c = static_cast<int>(i % per_row) * 8;
+    const float s = scale[sl.at(r, c / 128)];
+    const uint2 raw = *reinterpret_cast<const uint2*>(q + r * K + c);
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t b = static_cast<uint8_t>(((j < 4 ? raw.x : raw.y) >> (8 * (j % 4))) & 0xff);
+      __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), __NV_E4M3);
+      v[j] = __half2float(__half(h)) * s;
+    }
+    st16(x + r * K + c, pack8(v));
   }
 }
 
@@ -181,19 +216,33 @@ const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, in
   return launch_ex(cfg, kernel, tmW, tmX, tmR, p);
 }
 
-const char* launch_quantize_rows_e4m3(const void* x, int64_t rows, int K, void* q, float* scale, int ld,
-                                      const int* rows_end, cudaStream_t stream) {
+const char* launch_quantize_rows_e4m3(const void* x, int64_t rows, int K, void* q, float* scale,
+                                      int64_t scale_row_stride, int64_t scale_kb_stride, const int* rows_end,
+                                      cudaStream_t stream) {
   if (rows <= 0) return nullptr;
   if (K <= 0 || K % 128) return "mok quantize_rows_e4m3: K must be a positive multiple of 128";
-  if (ld < rows) return "mok quantize_rows_e4m3: the scale pitch is shorter than the rows";
   if (!aligned16(x) || !aligned16(q)) return "mok quantize_rows_e4m3: x and q must be 16-byte aligned";
   const int64_t pairs = (rows * (K / 128) + 1) / 2;  // two (row, block) items per warp
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((pairs + 7) / 8, 16 * (int64_t)num_sms()));
   quantize_rows_e4m3_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(x), static_cast<uint8_t*>(q), scale, rows, K, ld, rows_end);
+      static_cast<const __nv_bfloat16*>(x), static_cast<uint8_t*>(q), scale, rows, K,
+      ScaleLayout{scale_row_stride, scale_kb_stride}, rows_end);
   return launch_status();
 }
 
+const char* launch_dequantize_rows_e4m3(const void* q, const float* scale, int64_t scale_row_stride,
+                                        int64_t scale_kb_stride, void* x, int64_t rows, int K, const int* rows_end,
+                                        cudaStream_t stream) {
+  if (rows <= 0) return nullptr;
+  if (K <= 0 || K % 128) return "mok dequantize_rows_e4m3: K must be a positive multiple of 128";
+  if (!aligned16(x) || !aligned16(q)) return "mok dequantize_rows_e4m3: x and q must be 16-byte aligned";
+  const int64_t items = rows * (K / 8);
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((items + 255) / 256, 16 * (int64_t)num_sms()));
+  dequantize_rows_e4m3_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+      static_cast<const uint8_t*>(q), scale, static_cast<__nv_bfloat16*>(x), rows, K,
+      ScaleLayout{scale_row_stride, scale_kb_stride}, rows_end);
+  return launch_status();
+}
 
 const char* launch_quantize_weight_e4m3(const void* w, int nseg, int rows, int K, bool swiglu, void* q, float* scale,
                                         cudaStream_t stream) {

@@ -91,10 +91,18 @@ const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, in
                                    const int* seg_offsets, const int* seg_counts, void* out, void* pre_out, int N,
                                    int num_ctas, cudaStream_t stream);
 
-// x [rows, K] bf16 -> q [rows, K] e4m3 with one scale per (row, 128 columns), scale[kb][row] (pitch
-// ld >= rows). rows_end (optional device int): only rows below min(rows, *rows_end) are quantized.
-const char* launch_quantize_rows_e4m3(const void* x, int64_t rows, int K, void* q, float* scale, int ld,
-                                      const int* rows_end, cudaStream_t stream);
+// x [rows, K] bf16 -> q [rows, K] e4m3 with one scale per (row, 128 columns) at
+// scale[row * scale_row_stride + kb * scale_kb_stride] (the GEMM's [kb][ld]: strides 1, ld; the
+// dispatch's rows [row][kb pitch]: strides pitch, 1). rows_end (optional device int): only rows
+// below min(rows, *rows_end) are quantized.
+const char* launch_quantize_rows_e4m3(const void* x, int64_t rows, int K, void* q, float* scale,
+                                      int64_t scale_row_stride, int64_t scale_kb_stride, const int* rows_end,
+                                      cudaStream_t stream);
+
+// The inverse: x [rows, K] bf16 = e4m3 q times its scale (scales as above), rounded once.
+const char* launch_dequantize_rows_e4m3(const void* q, const float* scale, int64_t scale_row_stride,
+                                        int64_t scale_kb_stride, void* x, int64_t rows, int K, const int* rows_end,
+                                        cudaStream_t stream);
 
 // w [nseg, rows, K] bf16 -> q [nseg, rows, K] e4m3 with one scale per (expert, 128-row tile, 128
 // columns), scale [nseg][tiles][K / 128]; swiglu: w holds [gate; up] and tile t is gate rows
