@@ -69,7 +69,7 @@ class KernelContext:
     activates them (``MoKConfig.save_gate_up``); None: the backward recomputes them with that GEMM
     (same bits, one gate/up GEMM more, 2 I (2 Is) bf16 less per routed row (token)).
     fp8 (``MoKConfig.precision``): the rows were dispatched in e4m3 (``x_e4m3``, ``x_scale``: half
-    the bytes); ``routed_rows`` dequantizes them for the backward. ``h`` is always kept (a bf16
+    the bytes); the backward dequantizes them (``routed_rows``) into a tensor of its own. ``h`` is always kept (a bf16
     recompute would not give the e4m3 GEMM's values).
     """
 
@@ -223,12 +223,13 @@ def _routed_experts_fp8(sched, x_e4m3, x_scale, w8, act, h, y_routed, gemm_ctas)
 
 
 def routed_rows(ctx: KernelContext, sched: MoKSchedule) -> torch.Tensor:
-    """ctx.x_routed; fp8: the e4m3 rows dequantized to bf16 (once, then kept in the context)."""
-    if ctx.x_routed is None:
-        x = torch.empty(ctx.x_e4m3.shape, dtype=torch.bfloat16, device=ctx.x_e4m3.device)
-        ops.dequantize_rows_e4m3(ctx.x_e4m3, ctx.x_scale, x, sched.expert_offsets[-1:], scale_rows=True)
-        ctx.x_routed = x
-    return ctx.x_routed
+    """ctx.x_routed; fp8: the e4m3 rows dequantized to bf16 (a new tensor per call; the context
+    keeps only the e4m3 rows)."""
+    if ctx.x_routed is not None:
+        return ctx.x_routed
+    x = torch.empty(ctx.x_e4m3.shape, dtype=torch.bfloat16, device=ctx.x_e4m3.device)
+    ops.dequantize_rows_e4m3(ctx.x_e4m3, ctx.x_scale, x, sched.expert_offsets[-1:], scale_rows=True)
+    return x
 
 
 def _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1, *, keep_gate_up: bool, gemm_ctas=0,
@@ -561,7 +562,8 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
                                    cfg.precision)
     if ctx is None:
         ctx = recompute_forward_context(cfg, ws, sched, x, fc1, fc2, shared_fc1)
-    routed_rows(ctx, sched)  # fp8: the dispatched e4m3 rows as bf16 (the weight gradient's operand)
+    if ctx.x_routed is None:  # fp8: the dispatched e4m3 rows as bf16 (the weight gradient's operand)
+        ctx = dataclasses.replace(ctx, x_routed=routed_rows(ctx, sched))
 
     c = _comm(ws)
     T, H, k, cap = ws.num_tokens, ws.hidden, ws.topk, sched.capacity

@@ -227,6 +227,7 @@ def test_fp8_forward_cuda_graph_and_backward():
     assert ctx.x_routed is None and ctx.x_e4m3 is not None  # e4m3 rows kept, dequantized by the backward
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).bfloat16().to(DEV)
     got = grads_list(functional.backward(cfg, ws, sched, ctx, grad, *inputs))
+    assert ctx.x_routed is None, "the backward grew the context (the dequantized rows are its own)"
     # the reference backward on the reference fp8 forward's context (dequantized rows, e4m3 GEMMs' h)
     from megatron_mok import reference
 
