@@ -104,7 +104,7 @@ def quantize_expert_weights(fc1: torch.Tensor, fc2: torch.Tensor) -> fp8.FP8Expe
     fp8.check_k("fc1 (H)", fc1.shape[-1])
     fp8.check_k("fc2 (I)", fc2.shape[-1])
     if fc1.dtype == torch.bfloat16 and fc2.dtype == torch.bfloat16 and _use_kernels(fc1):
-        from . import ops  # the same bits as fp8.quantize_weight, ~30x faster than PyTorch ops
+        from . import ops  # the bits of fp8.quantize_weight; DeepSeek-V3 EP=2: 10.5 ms against 113 ms
 
         with torch.no_grad():
             return fp8.FP8ExpertWeights(
