@@ -4,7 +4,8 @@
 // Why: the bf16 tasks run at the rate their operands enter the SM (~45-55 GB/s per SM measured),
 // not at the MMA rate. An e4m3 stage of 128 K holds 128 weight rows and 128 token rows of 128
 // bytes (32 KB) for 4.2 MFLOP: 0.67x the bytes per FLOP of the bf16 128 x 256 tile, and wgmma's
-// e4m3 rate is twice bf16's.
+// e4m3 rate is twice bf16's. Measured (docs/KERNELS.md, seventh session): the tasks run at the same
+// ~46 GB/s per SM of operand feed, ~1.3x the bf16 rate at DeepSeek-V3 EP=2 T=4096.
 //
 // Scaling (the usual fine-grained recipe, as DeepSeek-V3 trains with it):
 // - tokens: one fp32 scale per (row, 128 columns of K); x ~= q * s;
@@ -14,7 +15,8 @@
 // Promotion: e4m3 wgmma accumulates with reduced precision (~14 bits, DeepSeek-V3 report), so
 // each 128-K block is summed afresh by the tensor cores into a second register set and added to
 // the fp32 accumulators by the CUDA cores, times its scales (CUTLASS's default fp8 mainloop and
-// DeepGEMM do the same); one warpgroup promotes while the other's wgmmas run. Accumulators plus
+// DeepGEMM do the same); one warpgroup promotes while the other's wgmmas run. Measured: the
+// results equal the bf16 rounding of the exact products of the e4m3 operands. Accumulators plus
 // block sums must fit the 128 registers the bf16 kernels give their accumulators (ptxas
 // allocates the consumers within the launch's 168 a thread), so a task holds at most 128 token
 // rows (experts split into chunks of <= 128 rows).
@@ -71,7 +73,7 @@ __device__ __forceinline__ Smem carve_smem(uint8_t* raw) {
 
 __host__ __device__ constexpr int k_blocks(int K) { return (K + BK - 1) / BK; }
 
-// Producer thread: per stage the weight tile, the task's token rows and their 256 scales of kb.
+// Producer thread: per stage the weight tile, the task's token rows and their scales of block kb.
 template <bool kSwiGLU>
 __device__ __forceinline__ void produce_task(const Params& p, const CUtensorMap* tmW, const CUtensorMap* tmX,
                                              const CUtensorMap* tmR, const Smem& sm, const xgemm::Task& t,
