@@ -190,7 +190,7 @@ def build_schedule(cfg: MoKConfig, ws: MoKWorkspace, top_experts: torch.Tensor) 
 # ---- forward ------------------------------------------------------------------------------------
 
 
-def _dispatch_fp8(cfg, ws, sched, x, comm_ctas):
+def _dispatch_fp8(cfg, ws, sched, x, comm_ctas, during_dispatch=None):
     """Quantize this rank's rows into symmetric buffers (one scale per row and 128 columns), barrier,
     then pull the e4m3 rows and their scale rows: half the bytes of the bf16 dispatch, and T rows to
     quantize instead of the routed ones. Returns (x_e4m3 [cap, H], x_scale [cap, pitch] fp32)."""
@@ -203,11 +203,23 @@ def _dispatch_fp8(cfg, ws, sched, x, comm_ctas):
     ops.quantize_rows_e4m3_into(x.contiguous(), q_sym.view(torch.float8_e4m3fn), s_sym.view(torch.float32),
                                 scale_rows=True)
     ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
+    started = _mark(during_dispatch)
     q_routed = torch.empty((cap, H // 2), dtype=torch.bfloat16, device=ws.device)
     s_routed = torch.empty((cap, 2 * pitch), dtype=torch.bfloat16, device=ws.device)
     ops.dispatch(sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, q_routed, q_ptrs, k, comm_ctas)
     ops.dispatch(sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, s_routed, s_ptrs, k, comm_ctas)
+    if during_dispatch is not None:
+        during_dispatch(started)
     return q_routed.view(torch.float8_e4m3fn), s_routed.view(torch.float32)
+
+
+def _mark(wanted) -> torch.cuda.Event | None:
+    """An event at this point of the current stream, if a side-stream launch will wait on it."""
+    if wanted is None:
+        return None
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev
 
 
 def _routed_experts_fp8(sched, x_e4m3, x_scale, w8, act, h, y_routed, gemm_ctas) -> None:
@@ -232,31 +244,50 @@ def routed_rows(ctx: KernelContext, sched: MoKSchedule) -> torch.Tensor:
     return x
 
 
+def _shared_gate_up(x, shared_fc1, keep_gate_up: bool, gemm_ctas: int):
+    """The shared expert's gate/up GEMM with SwiGLU: (shared_act [T, Is], shared_h [T, 2 Is] or None)."""
+    T = x.shape[0]
+    bf16 = dict(dtype=torch.bfloat16, device=x.device)
+    shared_act = torch.empty((T, shared_fc1.shape[0] // 2), **bf16)
+    shared_h = torch.empty((T, shared_fc1.shape[0]), **bf16) if keep_gate_up else None
+    ops.grouped_gemm(x.contiguous(), shared_fc1.contiguous(), None, shared_act, True, gemm_ctas, pre_out=shared_h)
+    return shared_act, shared_h
+
+
+def _fwd_overlap_enabled() -> bool:
+    """MOK_FWD_OVERLAP=0 keeps the staged forward's shared expert on the caller's stream (same bits;
+    read per call, so a benchmark can A/B it)."""
+    return os.environ.get("MOK_FWD_OVERLAP", "1") != "0"
+
+
 def _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1, *, keep_gate_up: bool, gemm_ctas=0,
-                          comm_ctas=0, fp8_weights=None) -> KernelContext:
+                          comm_ctas=0, fp8_weights=None, during_dispatch=None) -> KernelContext:
     """Steps 1-4 of the forward. Peers may still read this rank's x buffer afterwards: the caller
-    ends with a barrier before any rank rewrites it (``forward``: before the epilogue)."""
+    ends with a barrier before any rank rewrites it (``forward``: before the epilogue).
+    during_dispatch(event): called once the dispatch is launched, with an event recorded just
+    before it (side-stream work that waits on the event can run beside the dispatch)."""
     T, H, cap = ws.num_tokens, ws.hidden, sched.capacity
     I = fc1.shape[1] // 2
     bf16 = dict(dtype=torch.bfloat16, device=ws.device)
     quant = cfg.precision == "fp8"
     x_routed = x_e4m3 = x_scale = None
     if quant:
-        x_e4m3, x_scale = _dispatch_fp8(cfg, ws, sched, x, comm_ctas)
+        x_e4m3, x_scale = _dispatch_fp8(cfg, ws, sched, x, comm_ctas, during_dispatch)
         keep_gate_up = True
     else:
         c = _comm(ws)
         xs, x_ptrs = c.buffer("x", (T, H), torch.bfloat16)
         xs.copy_(x)
         ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
+        started = _mark(during_dispatch)
         x_routed = torch.empty((cap, H), **bf16)
         ops.dispatch(sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, x_routed, x_ptrs, ws.topk,
                      comm_ctas)
+        if during_dispatch is not None:
+            during_dispatch(started)
     shared_act = shared_h = None
     if shared_fc1 is not None:
-        shared_act = torch.empty((T, shared_fc1.shape[0] // 2), **bf16)
-        shared_h = torch.empty((T, shared_fc1.shape[0]), **bf16) if keep_gate_up else None
-        ops.grouped_gemm(x.contiguous(), shared_fc1.contiguous(), None, shared_act, True, gemm_ctas, pre_out=shared_h)
+        shared_act, shared_h = _shared_gate_up(x, shared_fc1, keep_gate_up, gemm_ctas)
     act = torch.empty((cap, I), **bf16)
     h = torch.empty((cap, 2 * I), **bf16) if keep_gate_up else None
     y_routed = torch.empty((cap, H), **bf16)
@@ -342,15 +373,43 @@ def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1,
     c = _comm(ws)
     T, H, k = ws.num_tokens, ws.hidden, ws.topk
     comb, comb_ptrs = c.buffer("comb", (T * k, H), torch.bfloat16)
-    ctx = _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1, keep_gate_up=cfg.save_gate_up,
-                                gemm_ctas=gemm_ctas, comm_ctas=comm_ctas, fp8_weights=fp8_weights)
-    shared_y = None
-    if shared_fc1 is not None:
-        shared_y = torch.empty((T, H), dtype=torch.bfloat16, device=ws.device)
-        ops.grouped_gemm(ctx.shared_act, shared_fc2.contiguous(), None, shared_y, False, gemm_ctas)
+    keep = cfg.save_gate_up or cfg.precision == "fp8"
+    # MOK_FWD_OVERLAP (default on): the shared expert runs on a side stream, its gate/up beside the
+    # dispatch and its down GEMM beside the combine, on the SMs those NVLink-bound launches leave
+    # idle. The communication kernels are launched first, the side-stream GEMMs right after, waiting
+    # on an event from just before them: the GPU gives the communication its CTAs first.
+    side = _side_stream(ws.device) if shared_fc1 is not None and _fwd_overlap_enabled() else None
+    main = torch.cuda.current_stream(ws.device)
+    shared = []
+
+    def shared_gate_up(started):
+        side.wait_event(started)
+        with torch.cuda.stream(side):
+            shared.extend(_shared_gate_up(x, shared_fc1, keep, gemm_ctas))
+
+    ctx = _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1 if side is None else None,
+                                keep_gate_up=cfg.save_gate_up, gemm_ctas=gemm_ctas, comm_ctas=comm_ctas,
+                                fp8_weights=fp8_weights, during_dispatch=shared_gate_up if side else None)
+    routed_done = _mark(side)
     ops.combine(ctx.y_routed, sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, c.state, comb_ptrs,
                 comm_ctas)
+    shared_y = None
+    if shared_fc1 is not None:
+        if side is not None:
+            side.wait_event(routed_done)
+            with torch.cuda.stream(side):
+                shared_y = torch.empty((T, H), dtype=torch.bfloat16, device=ws.device)
+                ops.grouped_gemm(shared[0], shared_fc2.contiguous(), None, shared_y, False, gemm_ctas)
+            ctx.shared_act, ctx.shared_h = shared
+        else:
+            shared_y = torch.empty((T, H), dtype=torch.bfloat16, device=ws.device)
+            ops.grouped_gemm(ctx.shared_act, shared_fc2.contiguous(), None, shared_y, False, gemm_ctas)
     ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
+    if side is not None:  # join; the side stream's tensors are used on this stream from here on
+        main.wait_stream(side)
+        for t in (*shared, shared_y):
+            if t is not None:
+                t.record_stream(main)
     if out is None:
         out = torch.empty((T, H), dtype=torch.bfloat16, device=ws.device)
     ops.moe_epilogue(comb, probs.contiguous(), shared_y, out)
@@ -448,7 +507,8 @@ _SIDE_STREAMS: dict = {}
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device for the backward's shared expert (created once, reused)."""
+    """One side stream per device for the shared expert of the staged forward and the backward
+    (created once, reused)."""
     key = torch.device(device).index
     key = torch.cuda.current_device() if key is None else key
     if key not in _SIDE_STREAMS:

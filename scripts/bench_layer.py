@@ -141,8 +141,9 @@ def _grad_out(c, dev):
 
 
 def config_overrides(backend: str) -> dict:
-    """'mok@fwd_comm_sms=8+minibatch_rows=2048' -> {'fwd_comm_sms': 8, 'minibatch_rows': 2048}."""
-    spec = backend.partition("@")[2]
+    """'mok@fwd_comm_sms=8+minibatch_rows=2048' -> {'fwd_comm_sms': 8, 'minibatch_rows': 2048}
+    ('mok@precision=fp8%MOK_FWD_OVERLAP=0': the fields before the kernel switch)."""
+    spec = backend.split("%")[0].partition("@")[2]
     out = {}
     for item in filter(None, spec.split("+")):
         key, _, value = item.partition("=")
@@ -760,8 +761,8 @@ def run_cases(args, backends, dev) -> list[dict]:
                             raise RuntimeError(f"the correctness gate could not run ({gate_error})")
                         if not gate <= 1e-2:
                             raise RuntimeError(f"correctness gate failed (rel err {gate})")
-                    if "%" in be:  # mok with a kernel switch (same bits, checked)
-                        step, _ = backend_mok_env(c, dev, be, parse_env_backend(be))
+                    if "%" in be:  # mok with a kernel switch (same bits, checked), after any @fields
+                        step, _ = backend_mok_env(c, dev, be, parse_env_backend(be), overrides=config_overrides(be))
                     elif "@" in be:  # mok with MoKConfig fields set (knobs: same bits, checked)
                         step, _ = backend_mok(c, dev, name=be, overrides=config_overrides(be))
                     else:

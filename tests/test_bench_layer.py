@@ -60,3 +60,14 @@ def test_symm_a2a_backward_gathers_match_index_select_autograd():
     (got,) = torch.autograd.grad(bl._GatherRows.apply(src, perm, inv, None, 0), src, g)
     (want,) = torch.autograd.grad(src.index_select(0, perm), src, g)
     assert torch.equal(got, want)
+
+
+def test_backend_names_parse_fields_and_switches():
+    bl = _bench()
+    assert bl.config_overrides("mok@fwd_comm_sms=8+minibatch_rows=2048") == {"fwd_comm_sms": 8, "minibatch_rows": 2048}
+    assert bl.config_overrides("mok@precision=fp8") == {"precision": "fp8"}
+    assert bl.config_overrides("mok@capacity_factor=0.5") == {"capacity_factor": 0.5}
+    # fields before a kernel switch; the switch is parse_env_backend's
+    assert bl.config_overrides("mok@precision=fp8%MOK_FWD_OVERLAP=0") == {"precision": "fp8"}
+    assert bl.parse_env_backend("mok@precision=fp8%MOK_FWD_OVERLAP=0") == ("MOK_FWD_OVERLAP", "0")
+    assert bl.config_overrides("mok%MOK_BWD_KERNEL=mega") == {}
