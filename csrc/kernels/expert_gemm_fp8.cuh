@@ -62,7 +62,7 @@ struct Smem {
   __device__ __forceinline__ __nv_bfloat16* staging(int cw) const {
     return reinterpret_cast<__nv_bfloat16*>(base + kOffStaging) + cw * (64 * xgemm::kStageStride);
   }
-  __device__ __forceinline__ uint32_t scales(int s) const { return smem_u32(base + kOffScales + s * kRBytes); }
+  __device__ __forceinline__ uint8_t* scales(int s) const { return base + kOffScales + s * kRBytes; }
   __device__ __forceinline__ uint64_t* full(int s) const { return reinterpret_cast<uint64_t*>(base + kOffBarriers) + s; }
   __device__ __forceinline__ uint64_t* empty(int s) const { return full(kStages + s); }
 };
@@ -92,7 +92,7 @@ __device__ __forceinline__ void produce_task(const Params& p, const CUtensorMap*
       tma_load_2d(sm.w(s), tmW, sm.full(s), kb * BK, wcoord);
     for (int i = 0; i < nbox; ++i)
       tma_load_2d(sm.x(s) + i * xgemm::kXBox * BK, tmX, sm.full(s), kb * BK, t.row0 + i * xgemm::kXBox);
-    tma_load_2d(reinterpret_cast<void*>(sm.base + kOffScales + s * kRBytes), tmR, sm.full(s), t.row0, kb);
+    tma_load_2d(sm.scales(s), tmR, sm.full(s), t.row0, kb);
   }
 }
 
@@ -113,11 +113,11 @@ MOK_XGEMM8_ATOM(112)
 MOK_XGEMM8_ATOM(128)
 #undef MOK_XGEMM8_ATOM
 
-// wgmma m64 nN k32 into d[OFF .. OFF + N / 2) (a fresh sum unless accumulate).
-template <int N, int OFF, int R, size_t... Is>
-__device__ __forceinline__ void wgmma_n(float (&d)[R], uint64_t da, uint64_t db, bool accumulate,
+// wgmma m64 nN k32 into d[0 .. N / 2) (a fresh sum unless accumulate).
+template <int N, size_t... Is>
+__device__ __forceinline__ void wgmma_n(float (&d)[kMaxTok / 2], uint64_t da, uint64_t db, bool accumulate,
                                         std::index_sequence<Is...>) {
-  Atom<N>::type::fma(da, db, d[OFF + Is]...,
+  Atom<N>::type::fma(da, db, d[Is]...,
                      accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
 }
 
@@ -165,11 +165,11 @@ __device__ __forceinline__ void mma_task(const Params& p, const Smem& sm, int cw
       const uint64_t db = wgmma_desc_sw128(sm.x(s) + kk * 32);
       // a runtime flag for the fresh start (kk == 0; nk >= 1 always): a constant one makes ptxas
       // serialize the wgmmas (C7511)
-      wgmma_n<N, 0>(sum, da, db, kk > 0 || nk < 0, std::make_index_sequence<N / 2>{});
+      wgmma_n<N>(sum, da, db, kk > 0 || nk < 0, std::make_index_sequence<N / 2>{});
     }
     wgmma_commit();
     wgmma_wait<0>();
-    promote<N>(acc, sum, wscale, sm.scales(s));
+    promote<N>(acc, sum, wscale, smem_u32(sm.scales(s)));
     gemm::release_stage<false>(sm.empty(s));
   }
   fence_regs(acc);
