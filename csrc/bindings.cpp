@@ -180,6 +180,9 @@ void grouped_gemm(const Tensor& a, const Tensor& b, const std::optional<Tensor>&
                                  static_cast<int>(N), static_cast<int>(num_ctas), current_stream()));
 }
 
+// Weight tiles of the e4m3 GEMM per expert: 128 rows, or (swiglu) 64 gate rows with the same up rows.
+int64_t e4m3_weight_tiles(int64_t n, bool swiglu) { return swiglu ? (n + 63) / 64 : (n + 127) / 128; }
+
 // Block-scaled e4m3 routed GEMM: x8 [rows, K] with x_scale [K / 128, ld >= rows] (quantize_rows_e4m3),
 // w8 [nseg, swiglu ? 2 N : N, K] with w_scale [nseg, weight tiles, K / 128] (fp8.quantize_weight).
 void expert_gemm_fp8(const Tensor& x8, const Tensor& x_scale, const Tensor& w8, const Tensor& w_scale,
@@ -200,7 +203,7 @@ void expert_gemm_fp8(const Tensor& x8, const Tensor& x_scale, const Tensor& w8, 
   TORCH_CHECK(w8.size(1) == (swiglu ? 2 * N : N), "megatron_mok: expert_gemm_fp8 w8 rows must be ",
               swiglu ? "2 N" : "N");
   TORCH_CHECK(K % 128 == 0, "megatron_mok: expert_gemm_fp8 K must be a multiple of 128");
-  const int64_t nkb = K / 128, tiles = swiglu ? (N + 63) / 64 : (N + 127) / 128;
+  const int64_t nkb = K / 128, tiles = e4m3_weight_tiles(N, swiglu);
   TORCH_CHECK(x_scale.dim() == 2 && x_scale.size(0) == nkb && x_scale.size(1) >= x8.size(0),
               "megatron_mok: expert_gemm_fp8 x_scale must be [K / 128, ld >= rows] (quantize_rows_e4m3)");
   TORCH_CHECK(w_scale.dim() == 3 && w_scale.size(0) == nseg && w_scale.size(1) == tiles && w_scale.size(2) == nkb,
@@ -281,7 +284,7 @@ void quantize_weight_e4m3(const Tensor& w, Tensor& q, Tensor& scale, bool swiglu
   const int64_t rows = w.size(1), K = w.size(2);
   TORCH_CHECK(K % 128 == 0, "megatron_mok: quantize_weight_e4m3 K must be a multiple of 128");
   TORCH_CHECK(!swiglu || rows % 2 == 0, "megatron_mok: quantize_weight_e4m3 swiglu rows hold [gate; up] (even)");
-  const int64_t n = swiglu ? rows / 2 : rows, tiles = swiglu ? (n + 63) / 64 : (n + 127) / 128;
+  const int64_t tiles = e4m3_weight_tiles(swiglu ? rows / 2 : rows, swiglu);
   TORCH_CHECK(scale.dim() == 3 && scale.size(0) == w.size(0) && scale.size(1) == tiles && scale.size(2) == K / 128,
               "megatron_mok: quantize_weight_e4m3 scale must be [nseg, tiles, K / 128]");
   c10::cuda::CUDAGuard guard(w.device());

@@ -74,10 +74,6 @@ class E4M3Weight:
         return _apply_tiles(self.q.float(), self.scale, self.swiglu, lambda blk, s: blk * s)
 
 
-def _tile_rows(w: torch.Tensor, swiglu: bool) -> int:
-    return 64 if swiglu else BLOCK
-
-
 def _apply_tiles(w: torch.Tensor, scale: torch.Tensor | None, swiglu: bool, fn):
     """Split w [nseg, rows, K] into the tiles' [nseg, tiles, rows per tile, nkb, 128] blocks (SwiGLU:
     gate and up halves side by side, 2 x 64 rows), apply fn(blocks, scale) or, when scale is None,
@@ -85,7 +81,7 @@ def _apply_tiles(w: torch.Tensor, scale: torch.Tensor | None, swiglu: bool, fn):
     nseg, rows, k = w.shape
     nkb = k // BLOCK
     halves = list(w.chunk(2, dim=1)) if swiglu else [w]
-    tr = _tile_rows(w, swiglu)
+    tr = 64 if swiglu else BLOCK  # rows per tile and half
     n = halves[0].shape[1]
     tiles = -(-n // tr)
     padded = [torch.nn.functional.pad(h, (0, 0, 0, tiles * tr - n)).view(nseg, tiles, tr, nkb, BLOCK) for h in halves]
@@ -107,7 +103,7 @@ def quantize_weight(w: torch.Tensor, swiglu: bool) -> E4M3Weight:
     for part in w.split(WEIGHT_CHUNK):  # a few experts at a time: fp32 temporaries stay small
         wf = part.float()
         scale = _scale_of(_apply_tiles(wf, None, swiglu, None))
-        qs.append(_apply_tiles(wf, scale, swiglu, lambda blk, s: (blk / s).clamp(-E4M3_MAX, E4M3_MAX)).to(E4M3))
+        qs.append(_apply_tiles(wf, scale, swiglu, _to_e4m3))
         scales.append(scale)
     scale = torch.cat(scales)
     return E4M3Weight(torch.cat(qs).contiguous(), scale.contiguous(), swiglu)

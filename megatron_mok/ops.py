@@ -131,7 +131,7 @@ def quantize_rows_e4m3(x: torch.Tensor, rows_end: torch.Tensor | None = None):
     ld = -(-rows // 4) * 4
     q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((k // 128, ld), dtype=torch.float32, device=x.device)
-    _ops().quantize_rows_e4m3(x, q, scale, rows_end, False)
+    quantize_rows_e4m3_into(x, q, scale, rows_end)
     return q, scale
 
 
