@@ -185,9 +185,12 @@ int64_t e4m3_weight_tiles(int64_t n, bool swiglu) { return swiglu ? (n + 63) / 6
 
 // Block-scaled e4m3 routed GEMM: x8 [rows, K] with x_scale [K / 128, ld >= rows] (quantize_rows_e4m3),
 // w8 [nseg, swiglu ? 2 N : N, K] with w_scale [nseg, weight tiles, K / 128] (fp8.quantize_weight).
+// h (the backward's down-projection dgrad, plain weights): out = dh [rows, 2 N], the SwiGLU backward
+// of the products with the forward's pre-activations h [rows, 2 N].
 void expert_gemm_fp8(const Tensor& x8, const Tensor& x_scale, const Tensor& w8, const Tensor& w_scale,
                      const Tensor& seg_offsets, const Tensor& seg_counts, Tensor& out,
-                     const std::optional<Tensor>& pre_out, bool swiglu, int64_t num_ctas) {
+                     const std::optional<Tensor>& pre_out, bool swiglu, int64_t num_ctas,
+                     const std::optional<Tensor>& h) {
   check_cuda(x8, "x8", at::kFloat8_e4m3fn);
   check_cuda(w8, "w8", at::kFloat8_e4m3fn);
   check_cuda(x_scale, "x_scale", at::kFloat);
@@ -198,7 +201,7 @@ void expert_gemm_fp8(const Tensor& x8, const Tensor& x_scale, const Tensor& w8, 
   TORCH_CHECK(x8.dim() == 2 && out.dim() == 2 && out.size(0) == x8.size(0),
               "megatron_mok: expert_gemm_fp8 x8 [rows, K], out [rows, N]");
   TORCH_CHECK(w8.dim() == 3, "megatron_mok: expert_gemm_fp8 w8 must be [nseg, rows, K]");
-  const int64_t K = x8.size(1), N = out.size(1), nseg = w8.size(0);
+  const int64_t K = x8.size(1), N = h.has_value() ? out.size(1) / 2 : out.size(1), nseg = w8.size(0);
   TORCH_CHECK(w8.size(2) == K, "megatron_mok: expert_gemm_fp8 K mismatch between x8 and w8");
   TORCH_CHECK(w8.size(1) == (swiglu ? 2 * N : N), "megatron_mok: expert_gemm_fp8 w8 rows must be ",
               swiglu ? "2 N" : "N");
@@ -218,11 +221,19 @@ void expert_gemm_fp8(const Tensor& x8, const Tensor& x_scale, const Tensor& w8, 
                 "megatron_mok: expert_gemm_fp8 pre_out must be [rows, 2 N]");
     pre = pre_out->data_ptr();
   }
+  const void* hp = nullptr;
+  if (h.has_value()) {
+    TORCH_CHECK(!swiglu && !pre_out.has_value(), "megatron_mok: expert_gemm_fp8 h (SwiGLU backward) needs plain weights");
+    check_cuda(*h, "h", at::kBFloat16);
+    TORCH_CHECK(out.size(1) % 2 == 0 && h->sizes() == out.sizes(),
+                "megatron_mok: expert_gemm_fp8 with h: h and out (dh) must both be [rows, 2 N]");
+    hp = h->data_ptr();
+  }
   c10::cuda::CUDAGuard guard(x8.device());
   check(mok::launch_expert_gemm_fp8(swiglu, x8.data_ptr(), x8.size(0), static_cast<int>(K), x_scale.data_ptr<float>(),
                                     static_cast<int>(x_scale.size(1)), w8.data_ptr(), w_scale.data_ptr<float>(),
                                     static_cast<int>(nseg), seg_offsets.data_ptr<int>(), seg_counts.data_ptr<int>(),
-                                    out.data_ptr(), pre, static_cast<int>(N), static_cast<int>(num_ctas),
+                                    out.data_ptr(), pre, static_cast<int>(N), hp, static_cast<int>(num_ctas),
                                     current_stream()));
 }
 
@@ -249,7 +260,7 @@ const int* rows_end_ptr(const std::optional<Tensor>& rows_end, const char* op) {
 }
 
 void quantize_rows_e4m3(const Tensor& x, Tensor& q, Tensor& scale, const std::optional<Tensor>& rows_end,
-                        bool scale_rows) {
+                        bool scale_rows, bool gate_up_pairs) {
   check_cuda(x, "x", at::kBFloat16);
   check_cuda(q, "q", at::kFloat8_e4m3fn);
   TORCH_CHECK(x.dim() == 2 && q.sizes() == x.sizes(), "megatron_mok: quantize_rows_e4m3 x and q must be [rows, K]");
@@ -259,7 +270,8 @@ void quantize_rows_e4m3(const Tensor& x, Tensor& q, Tensor& scale, const std::op
   const int* end = rows_end_ptr(rows_end, "quantize_rows_e4m3");
   c10::cuda::CUDAGuard guard(x.device());
   check(mok::launch_quantize_rows_e4m3(x.data_ptr(), x.size(0), static_cast<int>(K), q.data_ptr(),
-                                       scale.data_ptr<float>(), st.first, st.second, end, current_stream()));
+                                       scale.data_ptr<float>(), st.first, st.second, end, gate_up_pairs,
+                                       current_stream()));
 }
 
 void dequantize_rows_e4m3(const Tensor& q, const Tensor& scale, Tensor& x, const std::optional<Tensor>& rows_end,
@@ -276,7 +288,9 @@ void dequantize_rows_e4m3(const Tensor& q, const Tensor& scale, Tensor& x, const
                                          q.size(0), static_cast<int>(K), end, current_stream()));
 }
 
-void quantize_weight_e4m3(const Tensor& w, Tensor& q, Tensor& scale, bool swiglu) {
+// q_t / scale_t (optional): the transposed copy [nseg, K, tiles * 128] with scale_t [nseg, K / 128, tiles].
+void quantize_weight_e4m3(const Tensor& w, Tensor& q, Tensor& scale, bool swiglu, const std::optional<Tensor>& q_t,
+                          const std::optional<Tensor>& scale_t) {
   check_cuda(w, "w", at::kBFloat16);
   check_cuda(q, "q", at::kFloat8_e4m3fn);
   check_cuda(scale, "scale", at::kFloat);
@@ -287,9 +301,23 @@ void quantize_weight_e4m3(const Tensor& w, Tensor& q, Tensor& scale, bool swiglu
   const int64_t tiles = e4m3_weight_tiles(swiglu ? rows / 2 : rows, swiglu);
   TORCH_CHECK(scale.dim() == 3 && scale.size(0) == w.size(0) && scale.size(1) == tiles && scale.size(2) == K / 128,
               "megatron_mok: quantize_weight_e4m3 scale must be [nseg, tiles, K / 128]");
+  TORCH_CHECK(q_t.has_value() == scale_t.has_value(), "megatron_mok: quantize_weight_e4m3 q_t and scale_t go together");
+  void* qt = nullptr;
+  float* st = nullptr;
+  if (q_t.has_value()) {
+    check_cuda(*q_t, "q_t", at::kFloat8_e4m3fn);
+    check_cuda(*scale_t, "scale_t", at::kFloat);
+    TORCH_CHECK(q_t->dim() == 3 && q_t->size(0) == w.size(0) && q_t->size(1) == K && q_t->size(2) == tiles * 128,
+                "megatron_mok: quantize_weight_e4m3 q_t must be [nseg, K, tiles * 128]");
+    TORCH_CHECK(scale_t->dim() == 3 && scale_t->size(0) == w.size(0) && scale_t->size(1) == K / 128 &&
+                    scale_t->size(2) == tiles,
+                "megatron_mok: quantize_weight_e4m3 scale_t must be [nseg, K / 128, tiles]");
+    qt = q_t->data_ptr();
+    st = scale_t->data_ptr<float>();
+  }
   c10::cuda::CUDAGuard guard(w.device());
   check(mok::launch_quantize_weight_e4m3(w.data_ptr(), static_cast<int>(w.size(0)), static_cast<int>(rows),
-                                         static_cast<int>(K), swiglu, q.data_ptr(), scale.data_ptr<float>(),
+                                         static_cast<int>(K), swiglu, q.data_ptr(), scale.data_ptr<float>(), qt, st,
                                          current_stream()));
 }
 
@@ -792,10 +820,14 @@ TORCH_LIBRARY(megatron_mok, m) {
       "bool swiglu, int num_ctas) -> ()");
   m.def(
       "expert_gemm_fp8(Tensor x8, Tensor x_scale, Tensor w8, Tensor w_scale, Tensor seg_offsets, Tensor seg_counts, "
-      "Tensor(a!) out, Tensor(b!)? pre_out, bool swiglu, int num_ctas=0) -> ()");
-  m.def("quantize_rows_e4m3(Tensor x, Tensor(a!) q, Tensor(b!) scale, Tensor? rows_end=None, bool scale_rows=False) -> ()");
+      "Tensor(a!) out, Tensor(b!)? pre_out, bool swiglu, int num_ctas=0, Tensor? h=None) -> ()");
+  m.def(
+      "quantize_rows_e4m3(Tensor x, Tensor(a!) q, Tensor(b!) scale, Tensor? rows_end=None, bool scale_rows=False, "
+      "bool gate_up_pairs=False) -> ()");
   m.def("dequantize_rows_e4m3(Tensor q, Tensor scale, Tensor(a!) x, Tensor? rows_end=None, bool scale_rows=False) -> ()");
-  m.def("quantize_weight_e4m3(Tensor w, Tensor(a!) q, Tensor(b!) scale, bool swiglu) -> ()");
+  m.def(
+      "quantize_weight_e4m3(Tensor w, Tensor(a!) q, Tensor(b!) scale, bool swiglu, Tensor(c!)? q_t=None, "
+      "Tensor(d!)? scale_t=None) -> ()");
   m.def(
       "combine(Tensor y, Tensor row_src_rank, Tensor row_src_slot, Tensor expert_offsets, Tensor(a!) state, "
       "int[] peer_comb, int num_ctas) -> ()");

@@ -15,10 +15,13 @@ class _MoKMoE(torch.autograd.Function):
     def forward(ctx, x, probs, fc1, fc2, shared_fc1, shared_fc2, cfg, ws, sched, main_grads):
         fp8_weights = None
         if cfg.precision == "fp8":  # quantized once per weight version (fp8.WeightCache)
-            fp8_weights = fp8.WEIGHT_CACHE.get(fc1, fc2, functional.quantize_expert_weights)
+            # the dgrads' transposed copies only when a backward can follow
+            fp8_weights = fp8.WEIGHT_CACHE.get(fc1, fc2, functional.quantize_expert_weights,
+                                               transposed=cfg.dgrad_precision == "fp8" and any(ctx.needs_input_grad))
         out, fwd_ctx = functional.forward(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2,
                                           fp8_weights=fp8_weights)
         ctx.cfg, ctx.ws, ctx.sched, ctx.fwd_ctx, ctx.main_grads = cfg, ws, sched, fwd_ctx, main_grads
+        ctx.fp8_weights = fp8_weights
         ctx.save_for_backward(x, probs, fc1, fc2, shared_fc1, shared_fc2)
         return out
 
@@ -27,9 +30,9 @@ class _MoKMoE(torch.autograd.Function):
         x, probs, fc1, fc2, shared_fc1, shared_fc2 = ctx.saved_tensors
         grads = functional.backward(
             ctx.cfg, ctx.ws, ctx.sched, ctx.fwd_ctx, grad_out.contiguous(), x, probs, fc1, fc2,
-            shared_fc1, shared_fc2, main_grads=ctx.main_grads,
+            shared_fc1, shared_fc2, main_grads=ctx.main_grads, fp8_weights=ctx.fp8_weights,
         )
-        ctx.fwd_ctx = None
+        ctx.fwd_ctx = ctx.fp8_weights = None
         mains = ctx.main_grads or (None,) * 4
 
         def wgrad(g, w, main):

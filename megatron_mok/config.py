@@ -1,6 +1,6 @@
 """Tuning knobs of the mok MoE layer.
 
-Every knob except ``precision`` changes only *how* the layer is computed (SM split, pipelining
+Every knob except ``precision`` (and ``fp8_dgrad``) changes only *how* the layer is computed (SM split, pipelining
 granularity, buffer sizes), never a result bit. Invalid values raise ``MoKConfigError`` naming the field.
 """
 
@@ -13,7 +13,7 @@ import math
 # A layout constant, not a knob: changing it would change the schedule, not the results.
 ROW_ALIGN = 128
 
-PRECISIONS = ("bf16", "fp8")  # fp8: the routed experts' forward GEMMs in block-scaled e4m3
+PRECISIONS = ("bf16", "fp8")  # fp8: the routed experts' GEMMs in block-scaled e4m3 (fp8_dgrad)
 
 
 class MoKConfigError(ValueError):
@@ -33,8 +33,12 @@ class MoKConfig:
     capacity_factor: fraction of the worst case (every token of every rank routed here) that the
         routed-row buffer holds; 1.0 can never overflow. Overflow raises, it never drops tokens.
     precision: "bf16", or "fp8": the routed experts' forward GEMMs on block-scaled e4m3 operands
-        (megatron_mok/fp8.py; the staged forward launches; shared expert, backward and outputs
-        stay bf16). Unlike the other knobs it changes results (within the e4m3 quantization).
+        (megatron_mok/fp8.py; the staged forward launches; shared expert, weight gradients and
+        outputs stay bf16). Unlike the other knobs it changes results (within the e4m3
+        quantization).
+    fp8_dgrad: with precision "fp8", also the backward's routed dgrads (dy against fc2, dh against
+        fc1) on e4m3 operands (the staged backward launches); False: they stay bf16. Changes
+        results like precision does.
     peer_timeout_s: how long a device-side wait on a peer rank may spin before it reports a
         stalled peer instead of hanging.
     save_gate_up: keep the gate/up GEMM outputs for the backward (2 I bf16 per routed row, 2 Is
@@ -47,6 +51,7 @@ class MoKConfig:
     minibatch_rows: int = 4096
     capacity_factor: float = 1.0
     precision: str = "bf16"
+    fp8_dgrad: bool = True
     peer_timeout_s: float = 30.0
     save_gate_up: bool = True
 
@@ -73,14 +78,20 @@ class MoKConfig:
             raise MoKConfigError(
                 f"MoKConfig.precision must be one of {PRECISIONS}, got {self.precision!r}"
             )
-        if not isinstance(self.save_gate_up, bool):
-            raise MoKConfigError(f"MoKConfig.save_gate_up must be a bool, got {self.save_gate_up!r}")
+        for name in ("save_gate_up", "fp8_dgrad"):
+            if not isinstance(getattr(self, name), bool):
+                raise MoKConfigError(f"MoKConfig.{name} must be a bool, got {getattr(self, name)!r}")
         t = self.peer_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 < t < math.inf):
             raise MoKConfigError(f"MoKConfig.peer_timeout_s must be a positive finite number, got {t!r}")
 
     def replace(self, **changes) -> "MoKConfig":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def dgrad_precision(self) -> str:
+        """The precision of the backward's routed dgrads."""
+        return "fp8" if self.precision == "fp8" and self.fp8_dgrad else "bf16"
 
 
 def routed_capacity(cfg: MoKConfig, ep_size: int, num_tokens: int, topk: int, num_local_experts: int) -> int:

@@ -12,6 +12,13 @@ The recipe (DeepSeek-V3's fine-grained scaling):
 The GEMM sums each 128-column block afresh in the tensor cores and adds it, times its two
 scales, to fp32 accumulators (csrc/kernels/expert_gemm_fp8.cuh).
 
+The backward's routed dgrads (``MoKConfig.fp8_dgrad``) use the same weight tiles transposed
+(``E4M3Weight.transposed``: e4m3 wgmma reads K-major operands only, and a 128 x 128 tile keeps its
+scale under transposition). Their token operands are quantized like the forward's: dy along H,
+and dh along fc1's transposed K, i.e. its ``[gate | up]`` columns in gate/up pair order
+(``pair_columns``: block kb = gate columns ``64 kb .. 64 kb + 63``, then the same up columns), so
+that each 128-column block meets one weight tile.
+
 Weights are quantized once per weight version: by the caller of ``functional.forward``
 (``fp8_weights=``), or through ``WeightCache`` (``mok_moe`` and the Megatron layer), which keys
 on the weights' storage and version counter and is cleared after every optimizer step (updates
@@ -48,10 +55,30 @@ def check_k(name: str, k: int) -> None:
         raise ValueError(f"fp8: {name} has {k} columns, not a multiple of the {BLOCK}-column scale blocks")
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [rows, K] -> (q [rows, K] e4m3, scale [rows, K / 128] fp32)."""
+def pair_columns(t: torch.Tensor) -> torch.Tensor:
+    """[..., 2N] holding [gate | up] -> gate/up pair order: 64 gate columns, then the same 64 up
+    columns, and so on (N a multiple of 64)."""
+    n = t.shape[-1] // 2
+    if t.shape[-1] % 2 or n % 64:
+        raise ValueError(f"fp8: [gate | up] columns must be 2 x a multiple of 64, got {t.shape[-1]}")
+    lead = t.shape[:-1]
+    return t.reshape(*lead, 2, n // 64, 64).transpose(-3, -2).reshape(*lead, 2 * n)
+
+
+def unpair_columns(t: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``pair_columns``."""
+    n = t.shape[-1] // 2
+    lead = t.shape[:-1]
+    return t.reshape(*lead, n // 64, 2, 64).transpose(-3, -2).reshape(*lead, 2 * n)
+
+
+def quantize_rows(x: torch.Tensor, gate_up_pairs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, K] -> (q [rows, K] e4m3, scale [rows, K / 128] fp32). gate_up_pairs: x holds
+    [gate | up] and q its columns in pair order (``pair_columns``)."""
     rows, k = x.shape
     check_k("x", k)
+    if gate_up_pairs:
+        x = pair_columns(x)
     blocks = x.float().view(rows, k // BLOCK, BLOCK)
     scale = _scale_of(blocks.abs().amax(dim=-1))
     return _to_e4m3(blocks, scale.unsqueeze(-1)).view(rows, k), scale
@@ -72,6 +99,20 @@ class E4M3Weight:
 
     def dequantize(self) -> torch.Tensor:
         return _apply_tiles(self.q.float(), self.scale, self.swiglu, lambda blk, s: blk * s)
+
+    def transposed(self) -> "E4M3Weight":
+        """The dgrads' copy: every tile transposed with its scale, as a plain weight [nseg, K, rows]
+        (fc1: its rows in gate/up pair order). Needs whole tiles."""
+        nseg, rows, k = self.q.shape
+        tile_rows = 64 if self.swiglu else BLOCK
+        if (rows // 2 if self.swiglu else rows) % tile_rows:
+            raise ValueError(f"fp8: the transposed copy needs whole {tile_rows}-row tiles, got {rows} rows")
+        q = self.q.view(torch.uint8)  # byte moves (fp8 indexing kernels are not everywhere)
+        if self.swiglu:
+            q = pair_columns(q.transpose(1, 2))
+        else:
+            q = q.transpose(1, 2)
+        return E4M3Weight(q.contiguous().view(E4M3), self.scale.transpose(1, 2).contiguous(), swiglu=False)
 
 
 def _apply_tiles(w: torch.Tensor, scale: torch.Tensor | None, swiglu: bool, fn):
@@ -111,19 +152,30 @@ def quantize_weight(w: torch.Tensor, swiglu: bool) -> E4M3Weight:
 
 @dataclasses.dataclass
 class FP8ExpertWeights:
-    """The routed experts' fc1 and fc2 in e4m3 (``quantize_expert_weights``)."""
+    """The routed experts' fc1 and fc2 in e4m3 (``quantize_expert_weights``), and for the
+    backward's dgrads their transposed copies (``E4M3Weight.transposed``; None unless asked for)."""
 
     fc1: E4M3Weight
     fc2: E4M3Weight
+    fc1_t: E4M3Weight | None = None
+    fc2_t: E4M3Weight | None = None
 
     def matches(self, fc1: torch.Tensor, fc2: torch.Tensor) -> bool:
         return tuple(self.fc1.q.shape) == tuple(fc1.shape) and tuple(self.fc2.q.shape) == tuple(fc2.shape)
 
+    @property
+    def has_transposed(self) -> bool:
+        return self.fc1_t is not None and self.fc2_t is not None
 
-def quantize_expert_weights(fc1: torch.Tensor, fc2: torch.Tensor) -> FP8ExpertWeights:
-    """Quantize the routed experts' weights once per weight version (device ops, no host sync)."""
+
+def quantize_expert_weights(fc1: torch.Tensor, fc2: torch.Tensor, transposed: bool = False) -> FP8ExpertWeights:
+    """Quantize the routed experts' weights once per weight version (device ops, no host sync);
+    transposed: also the dgrads' copies."""
     with torch.no_grad():
-        return FP8ExpertWeights(quantize_weight(fc1, swiglu=True), quantize_weight(fc2, swiglu=False))
+        w1, w2 = quantize_weight(fc1, swiglu=True), quantize_weight(fc2, swiglu=False)
+        if transposed:
+            return FP8ExpertWeights(w1, w2, w1.transposed(), w2.transposed())
+        return FP8ExpertWeights(w1, w2)
 
 
 class WeightCache:
@@ -139,13 +191,14 @@ class WeightCache:
         self._entries: dict = {}
         self._hook = None
 
-    def get(self, fc1: torch.Tensor, fc2: torch.Tensor, quantize) -> FP8ExpertWeights:
-        key = (fc1.data_ptr(), fc2.data_ptr(), tuple(fc1.shape), tuple(fc2.shape), fc1.device)
+    def get(self, fc1: torch.Tensor, fc2: torch.Tensor, quantize, transposed: bool = False) -> FP8ExpertWeights:
+        """The entry of (fc1, fc2); a miss calls ``quantize(fc1, fc2, transposed)``."""
+        key = (fc1.data_ptr(), fc2.data_ptr(), tuple(fc1.shape), tuple(fc2.shape), fc1.device, transposed)
         version = (fc1._version, fc2._version)
         hit = self._entries.get(key)
         if hit is not None and hit[0] == version and hit[1]() is fc1 and hit[2]() is fc2:
             return hit[3]
-        weights = quantize(fc1, fc2)
+        weights = quantize(fc1, fc2, transposed)
         self._entries[key] = (version, weakref.ref(fc1), weakref.ref(fc2), weights)
         return weights
 

@@ -98,19 +98,16 @@ def build_schedule(cfg: MoKConfig, ws: MoKWorkspace, top_experts: torch.Tensor) 
     return build_schedule_reference(ws, top_experts)
 
 
-def quantize_expert_weights(fc1: torch.Tensor, fc2: torch.Tensor) -> fp8.FP8ExpertWeights:
-    """The routed experts' weights in block-scaled e4m3 for ``forward(..., fp8_weights=)`` with
-    ``MoKConfig(precision="fp8")``. Quantize once per weight version (e.g. per optimizer step)."""
+def quantize_expert_weights(fc1: torch.Tensor, fc2: torch.Tensor, transposed: bool = False) -> fp8.FP8ExpertWeights:
+    """The routed experts' weights in block-scaled e4m3 for ``forward(..., fp8_weights=)`` (and
+    ``backward``) with ``MoKConfig(precision="fp8")``. Quantize once per weight version (e.g. per
+    optimizer step). transposed: also the copies the backward's fp8 dgrads read
+    (``MoKConfig.fp8_dgrad``)."""
     fp8.check_k("fc1 (H)", fc1.shape[-1])
     fp8.check_k("fc2 (I)", fc2.shape[-1])
     if fc1.dtype == torch.bfloat16 and fc2.dtype == torch.bfloat16 and _use_kernels(fc1):
-        from . import ops  # the bits of fp8.quantize_weight; DeepSeek-V3 EP=2: 10.5 ms against 113 ms
-
-        with torch.no_grad():
-            return fp8.FP8ExpertWeights(
-                fp8.E4M3Weight(*ops.quantize_weight_e4m3(fc1.contiguous(), True), swiglu=True),
-                fp8.E4M3Weight(*ops.quantize_weight_e4m3(fc2.contiguous(), False), swiglu=False))
-    return fp8.quantize_expert_weights(fc1, fc2)
+        return _kernel_path().quantize_expert_weights(fc1, fc2, transposed)
+    return fp8.quantize_expert_weights(fc1, fc2, transposed)
 
 
 def _check_fp8(cfg: MoKConfig, ws: MoKWorkspace, fc1, fc2, fp8_weights) -> None:
@@ -133,7 +130,7 @@ def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1,
 
     ``MoKConfig(precision="fp8")``: the routed experts' GEMMs run on block-scaled e4m3 operands
     (megatron_mok/fp8.py); ``fp8_weights`` (``quantize_expert_weights``) saves quantizing the
-    weights in every call. The backward stays bf16.
+    weights in every call. The backward's routed dgrads follow ``cfg.fp8_dgrad``.
     """
     check_inputs(ws, x, probs, fc1, fc2, shared_fc1, shared_fc2)
     _check_fp8(cfg, ws, fc1, fc2, fp8_weights)
@@ -164,21 +161,26 @@ def recompute_forward_context(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedu
 
 
 def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out, x, probs, fc1, fc2,
-             shared_fc1=None, shared_fc2=None, main_grads=None) -> MoKGrads:
+             shared_fc1=None, shared_fc2=None, main_grads=None,
+             fp8_weights: fp8.FP8ExpertWeights | None = None) -> MoKGrads:
     """Gradients of one MoE layer.
 
     ``main_grads``: optional fp32 tensors ``(fc1, fc2, shared_fc1, shared_fc2)`` (entries may be
     None) that the weight gradients are accumulated into (Megatron's gradient-accumulation
-    fusion); the matching fields of the result are then None.
+    fusion); the matching fields of the result are then None. ``fp8_weights``: with
+    ``cfg.dgrad_precision == "fp8"``, ``quantize_expert_weights(fc1, fc2, transposed=True)`` of these
+    weights (else the dgrads' e4m3 copies are made in this call).
     """
     check_inputs(ws, x, probs, fc1, fc2, shared_fc1, shared_fc2)
     _check_tensor("grad_out", grad_out, (ws.num_tokens, ws.hidden), (x.dtype,), ws.device)
+    _check_fp8(cfg, ws, fc1, fc2, fp8_weights)
     if _use_kernels(x) and hasattr(_kernel_path(), "backward"):
         return _kernel_path().backward(cfg, ws, sched, ctx, grad_out, x, probs, fc1, fc2,
-                                       shared_fc1, shared_fc2, main_grads)
+                                       shared_fc1, shared_fc2, main_grads, fp8_weights=fp8_weights)
     if not isinstance(ctx, reference.ReferenceContext):
-        ctx = reference.recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1)
-    dx, dprobs, *wgrads = reference.backward(ws, sched, ctx, grad_out, x, probs, fc1, fc2, shared_fc1, shared_fc2)
+        ctx = reference.recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1, cfg.precision)
+    dx, dprobs, *wgrads = reference.backward(ws, sched, ctx, grad_out, x, probs, fc1, fc2, shared_fc1, shared_fc2,
+                                             dgrad_precision=cfg.dgrad_precision)
     if main_grads is not None:
         for i, main in enumerate(main_grads):
             if main is not None and wgrads[i] is not None:

@@ -213,6 +213,30 @@ def _dispatch_fp8(cfg, ws, sched, x, comm_ctas, during_dispatch=None):
     return q_routed.view(torch.float8_e4m3fn), s_routed.view(torch.float32)
 
 
+def quantize_expert_weights(fc1, fc2, transposed: bool = False) -> fp8.FP8ExpertWeights:
+    """``fp8.quantize_expert_weights`` on the device (the same bits; DeepSeek-V3 EP=2: ~10.5 ms
+    against ~113 ms in PyTorch); transposed: the dgrads' copies from the same pass."""
+    with torch.no_grad():
+        w1 = ops.quantize_weight_e4m3(fc1.contiguous(), True, transposed)
+        w2 = ops.quantize_weight_e4m3(fc2.contiguous(), False, transposed)
+    if not transposed:
+        return fp8.FP8ExpertWeights(fp8.E4M3Weight(*w1, swiglu=True), fp8.E4M3Weight(*w2, swiglu=False))
+    return fp8.FP8ExpertWeights(fp8.E4M3Weight(*w1[:2], swiglu=True), fp8.E4M3Weight(*w2[:2], swiglu=False),
+                                fp8.E4M3Weight(*w1[2:], swiglu=False), fp8.E4M3Weight(*w2[2:], swiglu=False))
+
+
+def _routed_dgrads_fp8(w8, dy, h, offsets, counts, dh, dx_rows) -> None:
+    """The routed dgrads on block-scaled e4m3 operands: dh = swiglu_backward(h, dy @ fc2[e]) from dy
+    quantized along H against fc2's transposed copy, then dx_rows = dh @ fc1[e] from dh quantized in
+    gate/up pair blocks against fc1's transposed copy (rows up to the last segment's end)."""
+    rows_end = offsets[-1:]
+    dyq, dys = ops.quantize_rows_e4m3(dy, rows_end)
+    ops.expert_gemm_fp8(dyq, dys, w8.fc2_t.q, w8.fc2_t.scale, offsets, counts, dh, False, h=h)
+    del dyq, dys
+    dhq, dhs = ops.quantize_rows_e4m3(dh, rows_end, gate_up_pairs=True)
+    ops.expert_gemm_fp8(dhq, dhs, w8.fc1_t.q, w8.fc1_t.scale, offsets, counts, dx_rows, False)
+
+
 def _mark(wanted) -> torch.cuda.Event | None:
     """An event at this point of the current stream, if a side-stream launch will wait on it."""
     if wanted is None:
@@ -292,7 +316,7 @@ def _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1, *, keep_gate_
     h = torch.empty((cap, 2 * I), **bf16) if keep_gate_up else None
     y_routed = torch.empty((cap, H), **bf16)
     if quant:
-        _routed_experts_fp8(sched, x_e4m3, x_scale, fp8_weights or fp8.quantize_expert_weights(fc1, fc2), act, h,
+        _routed_experts_fp8(sched, x_e4m3, x_scale, fp8_weights or quantize_expert_weights(fc1, fc2), act, h,
                             y_routed, gemm_ctas)
         return KernelContext(None, act, y_routed, shared_act, h, shared_h, x_e4m3, x_scale)
     ops.grouped_gemm(x_routed, fc1.contiguous(), sched.expert_offsets, act, True, gemm_ctas, sched.expert_counts,
@@ -449,13 +473,13 @@ def _backward_unsupported_reason(ws: MoKWorkspace, x, fc1, shared_fc1) -> str | 
     return None
 
 
-def _reference_backward(ws, sched, ctx, grad_out, x, probs, fc1, fc2, shared_fc1, shared_fc2, main_grads,
-                        precision="bf16"):
+def _reference_backward(cfg, ws, sched, ctx, grad_out, x, probs, fc1, fc2, shared_fc1, shared_fc2, main_grads):
     from .functional import MoKGrads
 
     if not isinstance(ctx, reference.ReferenceContext):
-        ctx = reference.recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1, precision)
-    dx, dprobs, *wgrads = reference.backward(ws, sched, ctx, grad_out, x, probs, fc1, fc2, shared_fc1, shared_fc2)
+        ctx = reference.recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1, cfg.precision)
+    dx, dprobs, *wgrads = reference.backward(ws, sched, ctx, grad_out, x, probs, fc1, fc2, shared_fc1, shared_fc2,
+                                             dgrad_precision=cfg.dgrad_precision)
     return MoKGrads(dx.to(x.dtype), dprobs, *_accumulate(wgrads, main_grads))
 
 
@@ -563,7 +587,8 @@ def _shared_backward(ctx, g, x, shared_fc1, shared_fc2):
 
 
 def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out, x, probs, fc1, fc2,
-             shared_fc1=None, shared_fc2=None, main_grads=None, *, comm_ctas: int = 0, path: str | None = None):
+             shared_fc1=None, shared_fc2=None, main_grads=None, *, comm_ctas: int = 0, path: str | None = None,
+             fp8_weights=None):
     """Gradients of one layer on the device. Returns ``functional.MoKGrads``.
 
     No host sync and no data-dependent shapes (CUDA-graph capturable once the workspace's buffers
@@ -601,6 +626,10 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     (``bwd_tight_map``: each expert's rows padded to ``ops.TIGHT_ALIGN``, not 128;
     ``swiglu_backward``; ``gather_rows`` of act and x_routed; ``zero_empty_segments``).
 
+    ``cfg.dgrad_precision == "fp8"``: step 4's two dgrads run on block-scaled e4m3 operands
+    (``_routed_dgrads_fp8``; the weights' transposed copies from ``fp8_weights`` or quantized here)
+    on the staged launches, whatever ``MOK_BWD_KERNEL`` says; the weight gradients stay bf16.
+
     Weight gradients come back in bf16 (fp32 accumulation inside each GEMM, one rounding; autograd
     casts them to the weights' dtype anyway); with ``main_grads`` they are added into those fp32
     tensors and the matching fields are None. ``ctx``: the forward's ``KernelContext`` (None:
@@ -618,8 +647,8 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     if reason is not None:
         _fallback(reason)
     if reason is not None or path == "reference" or isinstance(ctx, reference.ReferenceContext):
-        return _reference_backward(ws, sched, ctx, grad_out, x, probs, fc1, fc2, shared_fc1, shared_fc2, main_grads,
-                                   cfg.precision)
+        return _reference_backward(cfg, ws, sched, ctx, grad_out, x, probs, fc1, fc2, shared_fc1, shared_fc2,
+                                   main_grads)
     if ctx is None:
         ctx = recompute_forward_context(cfg, ws, sched, x, fc1, fc2, shared_fc1)
     if ctx.x_routed is None:  # fp8: the dispatched e4m3 rows as bf16 (the weight gradient's operand)
@@ -631,6 +660,15 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     nle = sched.expert_counts.numel()
     kernel = _bwd_kernel()
     on_torch = _bwd_gemms_on_torch() or nle > ops.EXPERT_GEMM_MAX_SEGMENTS
+    w8 = None
+    if cfg.dgrad_precision == "fp8":
+        if on_torch:
+            raise RuntimeError("megatron_mok: the fp8 dgrads (MoKConfig.fp8_dgrad) run on mok's GEMMs only: at most "
+                               f"{ops.EXPERT_GEMM_MAX_SEGMENTS} local experts and no MOK_BWD_GEMM=torch "
+                               f"(got {nle} local experts); or set fp8_dgrad=False")
+        kernel = "staged"
+        w8 = fp8_weights if fp8_weights is not None and fp8_weights.has_transposed else \
+            quantize_expert_weights(fc1, fc2, transposed=True)
     bf16 = dict(dtype=torch.bfloat16, device=ws.device)
     fc1, fc2 = fc1.contiguous(), fc2.contiguous()
     g = _aligned(grad_out)
@@ -712,6 +750,10 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
         ops.swiglu_backward(h, da, dh, row_offs, trow=trow)
         del h, da
         dx_rows = torch._grouped_mm(dh, fc1, offs=row_offs[1:])  # [cap, H]
+    elif w8 is not None:  # e4m3 operands, the weights' transposed copies (K-major)
+        dx_rows = torch.empty((cap, H), **bf16)
+        _routed_dgrads_fp8(w8, dy, h, offsets, counts, dh, dx_rows)
+        del h
     else:  # expert-major GEMMs (weights MN-major); the SwiGLU backward in the first one's epilogue
         ops.expert_dgrad(dy, fc2, offsets, counts, dh, h=h)
         del h

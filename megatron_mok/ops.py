@@ -120,25 +120,26 @@ def grouped_gemm(a, b, seg_offsets, out, swiglu: bool, num_ctas: int = 0, seg_co
     _ops().grouped_gemm(a, b, seg_offsets, seg_counts, out, pre_out, swiglu, num_ctas)
 
 
-def quantize_rows_e4m3(x: torch.Tensor, rows_end: torch.Tensor | None = None):
+def quantize_rows_e4m3(x: torch.Tensor, rows_end: torch.Tensor | None = None, gate_up_pairs: bool = False):
     """x [rows, K] bf16 -> (q [rows, K] e4m3, scale [K / 128, ld] fp32), as ``fp8.quantize_rows``.
 
     One scale per (row, 128 columns), stored transposed (``scale[kb, row]``, pitch ``ld`` = rows
     rounded up to 4) for ``expert_gemm_fp8``. rows_end (optional int32 device scalar): only rows
     below it are quantized (the routed rows of a segment layout); the others are left as they were.
+    gate_up_pairs: x holds [gate | up], q its columns in gate/up pair order (``fp8.pair_columns``).
     """
     rows, k = x.shape
     ld = -(-rows // 4) * 4
     q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((k // 128, ld), dtype=torch.float32, device=x.device)
-    quantize_rows_e4m3_into(x, q, scale, rows_end)
+    quantize_rows_e4m3_into(x, q, scale, rows_end, gate_up_pairs=gate_up_pairs)
     return q, scale
 
 
-def quantize_rows_e4m3_into(x, q, scale, rows_end=None, scale_rows: bool = False) -> None:
+def quantize_rows_e4m3_into(x, q, scale, rows_end=None, scale_rows: bool = False, gate_up_pairs: bool = False) -> None:
     """``quantize_rows_e4m3`` into given tensors; scale_rows: ``scale[row, kb]`` ([>= rows, >= K / 128],
     one row per token, as the dispatch moves them) instead of ``scale[kb, row]``."""
-    _ops().quantize_rows_e4m3(x, q, scale, rows_end, scale_rows)
+    _ops().quantize_rows_e4m3(x, q, scale, rows_end, scale_rows, gate_up_pairs)
 
 
 def dequantize_rows_e4m3(q, scale, out, rows_end=None, scale_rows: bool = False) -> None:
@@ -147,25 +148,33 @@ def dequantize_rows_e4m3(q, scale, out, rows_end=None, scale_rows: bool = False)
     _ops().dequantize_rows_e4m3(q, scale, out, rows_end, scale_rows)
 
 
-def quantize_weight_e4m3(w: torch.Tensor, swiglu: bool):
+def quantize_weight_e4m3(w: torch.Tensor, swiglu: bool, transposed: bool = False):
     """w [nseg, rows, K] bf16 -> (q e4m3, scale [nseg, tiles, K / 128] fp32), the bits of
     ``fp8.quantize_weight`` (tiles of 128 rows; swiglu: gate rows 64 t .. 64 t + 63 with the same
-    up rows)."""
+    up rows). transposed: also (q_t [nseg, K, tiles * 128], scale_t [nseg, K / 128, tiles]), the bits
+    of ``E4M3Weight.transposed`` (whole tiles only), written by the same pass."""
     nseg, rows, k = w.shape
     n = rows // 2 if swiglu else rows
     tiles = -(-n // (64 if swiglu else 128))
     q = torch.empty((nseg, rows, k), dtype=torch.float8_e4m3fn, device=w.device)
     scale = torch.empty((nseg, tiles, k // 128), dtype=torch.float32, device=w.device)
-    _ops().quantize_weight_e4m3(w, q, scale, swiglu)
-    return q, scale
+    if not transposed:
+        _ops().quantize_weight_e4m3(w, q, scale, swiglu)
+        return q, scale
+    q_t = torch.empty((nseg, k, tiles * 128), dtype=torch.float8_e4m3fn, device=w.device)
+    scale_t = torch.empty((nseg, k // 128, tiles), dtype=torch.float32, device=w.device)
+    _ops().quantize_weight_e4m3(w, q, scale, swiglu, q_t, scale_t)
+    return q, scale, q_t, scale_t
 
 
 def expert_gemm_fp8(x8, x_scale, w8, w_scale, seg_offsets, seg_counts, out, swiglu: bool, pre_out=None,
-                    num_ctas: int = 0) -> None:
+                    num_ctas: int = 0, h=None) -> None:
     """The routed GEMM of ``grouped_gemm`` (segments with real-row counts) on e4m3 operands:
     x8/x_scale from ``quantize_rows_e4m3``, w8/w_scale from ``fp8.quantize_weight`` (its ``q`` and
-    ``scale``). out (and pre_out) bf16, as ``grouped_gemm`` writes them."""
-    _ops().expert_gemm_fp8(x8, x_scale, w8, w_scale, seg_offsets, seg_counts, out, pre_out, swiglu, num_ctas)
+    ``scale``). out (and pre_out) bf16, as ``grouped_gemm`` writes them. h (the backward's
+    down-projection dgrad, plain weights, e.g. fc2's transposed copy): out = dh [rows, 2 N], the
+    SwiGLU backward of the products with the pre-activations h [rows, 2 N], as ``expert_dgrad``."""
+    _ops().expert_gemm_fp8(x8, x_scale, w8, w_scale, seg_offsets, seg_counts, out, pre_out, swiglu, num_ctas, h)
 
 
 def combine(y, row_src_rank, row_src_slot, expert_offsets, state, peer_comb: list[int], num_ctas: int = 0) -> None:

@@ -79,9 +79,15 @@ def _swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
     return torch.cat([d_gate, d_up], dim=-1)
 
 
-def _qdq_rows(t: torch.Tensor) -> torch.Tensor:
-    """Rows rounded to bf16 (what the kernels hold and quantize), then block-scaled e4m3 and back."""
-    return fp8.dequantize_rows(*fp8.quantize_rows(t.to(torch.bfloat16))).to(t.dtype)
+def _qdq_rows(t: torch.Tensor, gate_up_pairs: bool = False) -> torch.Tensor:
+    """Rows rounded to bf16 (what the kernels hold and quantize), then block-scaled e4m3 and back
+    (gate_up_pairs: in gate/up pair blocks, returned in the original column order)."""
+    back = fp8.dequantize_rows(*fp8.quantize_rows(t.to(torch.bfloat16), gate_up_pairs))
+    return (fp8.unpair_columns(back) if gate_up_pairs else back).to(t.dtype)
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).to(t.dtype)
 
 
 def recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1=None, precision: str = "bf16") -> ReferenceContext:
@@ -132,8 +138,15 @@ def forward(ws, sched, x, probs, fc1, fc2, shared_fc1=None, shared_fc2=None, pre
     return acc.to(x.dtype), ctx
 
 
-def backward(ws, sched, ctx: ReferenceContext, grad_out, x, probs, fc1, fc2, shared_fc1=None, shared_fc2=None):
-    """Returns (dx, dprobs, dfc1, dfc2, dshared_fc1, dshared_fc2); weight grads in fp32 (fp64 for fp64 x)."""
+def backward(ws, sched, ctx: ReferenceContext, grad_out, x, probs, fc1, fc2, shared_fc1=None, shared_fc2=None,
+             dgrad_precision: str = "bf16"):
+    """Returns (dx, dprobs, dfc1, dfc2, dshared_fc1, dshared_fc2); weight grads in fp32 (fp64 for fp64 x).
+
+    dgrad_precision "fp8" (``MoKConfig.fp8_dgrad``): the routed dgrads' operands go through
+    block-scaled e4m3 as the kernels quantize them: dy (rounded to bf16) along H against fc2, and
+    dh along fc1's K in gate/up pair blocks against fc1, with da, h and dh rounded to bf16 where the
+    kernels hold them. The weight gradients keep the unquantized dy and the bf16 dh.
+    """
     cd = _compute_dtype(x)
     gc = grad_out.to(cd)
     k = ws.topk
@@ -150,6 +163,10 @@ def backward(ws, sched, ctx: ReferenceContext, grad_out, x, probs, fc1, fc2, sha
     dx_rows = torch.zeros_like(ctx.x_routed)
     dfc1 = torch.zeros(fc1.shape, dtype=cd, device=fc1.device)
     dfc2 = torch.zeros(fc2.shape, dtype=cd, device=fc2.device)
+    quant = dgrad_precision == "fp8"
+    if quant:
+        w1 = fp8.quantize_weight(fc1, swiglu=True).dequantize().to(cd)
+        w2 = fp8.quantize_weight(fc2, swiglu=False).dequantize().to(cd)
     for e, start, count in _segments(sched):
         if count == 0:
             continue  # an expert without tokens keeps an exact zero gradient
@@ -157,6 +174,11 @@ def backward(ws, sched, ctx: ReferenceContext, grad_out, x, probs, fc1, fc2, sha
         h = ctx.fc1_out[rows]
         a = _swiglu(h)
         dfc2[e] = dy[rows].t() @ a
+        if quant:
+            dh = _bf16(_swiglu_backward(_bf16(h), _bf16(_qdq_rows(dy[rows]) @ w2[e])))
+            dfc1[e] = dh.t() @ ctx.x_routed[rows]
+            dx_rows[rows] = _qdq_rows(dh, gate_up_pairs=True) @ w1[e]
+            continue
         dh = _swiglu_backward(h, dy[rows] @ fc2[e].to(cd))
         dfc1[e] = dh.t() @ ctx.x_routed[rows]
         dx_rows[rows] = dh @ fc1[e].to(cd)

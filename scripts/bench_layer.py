@@ -147,6 +147,9 @@ def config_overrides(backend: str) -> dict:
     out = {}
     for item in filter(None, spec.split("+")):
         key, _, value = item.partition("=")
+        if value in ("true", "false"):  # e.g. fp8_dgrad=false
+            out[key] = value == "true"
+            continue
         try:
             out[key] = float(value) if "." in value else int(value)
         except ValueError:
@@ -164,8 +167,9 @@ def backend_mok(c, dev, path=None, save_gate_up=True, name="mok", overrides=None
     fp8_weights = None
     if cfg.precision == "fp8":
         # quantized once per weight version, as a training step would (its time is logged apart)
-        fp8_weights = functional.quantize_expert_weights(c["fc1"], c["fc2"])
-        ms = time_iters(lambda: functional.quantize_expert_weights(c["fc1"], c["fc2"]), 5, 1)
+        transposed = PASS == "bwd" and cfg.dgrad_precision == "fp8"  # the dgrads' copies too
+        fp8_weights = functional.quantize_expert_weights(c["fc1"], c["fc2"], transposed)
+        ms = time_iters(lambda: functional.quantize_expert_weights(c["fc1"], c["fc2"], transposed), 5, 1)
         WEIGHT_QUANT_MS[name] = sorted(ms)[len(ms) // 2]
         log(f"{name}: quantizing the routed weights to e4m3 takes {WEIGHT_QUANT_MS[name]:.3f} ms "
             f"(once per weight version, outside the timed step)")
@@ -179,7 +183,7 @@ def backend_mok(c, dev, path=None, save_gate_up=True, name="mok", overrides=None
 
         def bwd_step():
             grads = functional.backward(cfg, ws, sched, ctx, grad, c["x"], c["probs"], c["fc1"], c["fc2"], c["sfc1"],
-                                        c["sfc2"])
+                                        c["sfc2"], fp8_weights=fp8_weights)
             return grads.dx
 
         return bwd_step, ws

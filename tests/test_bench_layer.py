@@ -67,6 +67,7 @@ def test_backend_names_parse_fields_and_switches():
     assert bl.config_overrides("mok@fwd_comm_sms=8+minibatch_rows=2048") == {"fwd_comm_sms": 8, "minibatch_rows": 2048}
     assert bl.config_overrides("mok@precision=fp8") == {"precision": "fp8"}
     assert bl.config_overrides("mok@capacity_factor=0.5") == {"capacity_factor": 0.5}
+    assert bl.config_overrides("mok@precision=fp8+fp8_dgrad=false") == {"precision": "fp8", "fp8_dgrad": False}
     # fields before a kernel switch; the switch is parse_env_backend's
     assert bl.config_overrides("mok@precision=fp8%MOK_FWD_OVERLAP=0") == {"precision": "fp8"}
     assert bl.parse_env_backend("mok@precision=fp8%MOK_FWD_OVERLAP=0") == ("MOK_FWD_OVERLAP", "0")

@@ -87,6 +87,12 @@ def test_mok_precision_flag_selects_fp8(monkeypatch):
 
     base = (CONFIGS / "deepseek-v3-tiny.args").read_text().split()
     monkeypatch.setattr(sys, "argv", ["pretrain", *base, "--moe-backend", "mok", "--mok-precision", "fp8"])
-    assert mok_config_from_args(parse_args(add_mok_args)).precision == "fp8"
+    cfg = mok_config_from_args(parse_args(add_mok_args))
+    assert cfg.precision == "fp8" and cfg.dgrad_precision == "fp8"
+    monkeypatch.setattr(sys, "argv", ["pretrain", *base, "--moe-backend", "mok", "--mok-precision", "fp8",
+                                      "--mok-bf16-dgrad"])
+    cfg = mok_config_from_args(parse_args(add_mok_args))
+    assert cfg.precision == "fp8" and cfg.dgrad_precision == "bf16"
     monkeypatch.setattr(sys, "argv", ["pretrain", *base, "--moe-backend", "mok"])
-    assert mok_config_from_args(parse_args(add_mok_args)).precision == "bf16"
+    cfg = mok_config_from_args(parse_args(add_mok_args))
+    assert cfg.precision == "bf16" and cfg.dgrad_precision == "bf16"

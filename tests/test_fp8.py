@@ -120,9 +120,9 @@ def test_weight_cache_follows_versions_and_optimizer_steps():
     cache = fp8.WeightCache()
     calls = []
 
-    def quantize(a, b):
+    def quantize(a, b, transposed):
         calls.append(1)
-        return fp8.quantize_expert_weights(a, b)
+        return fp8.quantize_expert_weights(a, b, transposed)
 
     fc1 = torch.nn.Parameter(torch.randn(2, 256, 128).bfloat16())
     fc2 = torch.nn.Parameter(torch.randn(2, 128, 128).bfloat16())
@@ -144,3 +144,58 @@ def test_weight_cache_follows_versions_and_optimizer_steps():
     other = torch.nn.Parameter(fc1.detach().clone())  # another tensor: its own entry
     cache.get(other, fc2, quantize)
     assert len(calls) == 4 and len(cache) == 2
+    wt = cache.get(fc1, fc2, quantize, transposed=True)  # with the dgrads' copies: its own entry
+    assert len(calls) == 5 and wt.has_transposed and not w3.has_transposed
+    assert cache.get(fc1, fc2, quantize, transposed=True) is wt
+
+
+def test_pair_columns_and_paired_row_blocks():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 2 * 192, generator=g).to(torch.bfloat16)  # [gate | up], 192 columns each
+    paired = fp8.pair_columns(x)
+    assert torch.equal(paired[:, :64], x[:, :64]) and torch.equal(paired[:, 64:128], x[:, 192:256])
+    assert torch.equal(paired[:, 128:192], x[:, 64:128])
+    assert torch.equal(fp8.unpair_columns(paired), x)
+    q, s = fp8.quantize_rows(x, gate_up_pairs=True)
+    q0, s0 = fp8.quantize_rows(paired)
+    assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        fp8.pair_columns(torch.zeros(2, 2 * 96))
+
+
+@pytest.mark.parametrize("swiglu", [True, False])
+def test_transposed_weight_copy_is_the_same_tiles(swiglu):
+    """The dgrads' copy: each tile transposed with its own scale, so it dequantizes to the transposed
+    weight (fc1: its rows in gate/up pair order)."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(2, 512 if swiglu else 256, 384, generator=g).to(torch.bfloat16)
+    qw = fp8.quantize_weight(w, swiglu=swiglu)
+    t = qw.transposed()
+    assert not t.swiglu and t.q.dtype == fp8.E4M3 and t.q.shape == (2, 384, w.shape[1])
+    assert t.scale.shape == (2, 3, qw.scale.shape[1])
+    want = qw.dequantize().transpose(1, 2)
+    assert torch.equal(t.dequantize(), fp8.pair_columns(want) if swiglu else want)
+    with pytest.raises(ValueError, match="whole"):
+        fp8.quantize_weight(w[:, :192], swiglu=swiglu).transposed()  # 96 gate rows / 192 rows
+
+
+def test_reference_fp8_dgrads():
+    """dgrad_precision fp8 moves dx by a few percent (e4m3 operands), leaves dprobs and the fc2
+    gradient (unquantized dy) exactly, and the CPU path follows MoKConfig.fp8_dgrad."""
+    x, top, probs, fc1, fc2, sfc1, sfc2 = _layer_problem(I=256)
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    grads = {}
+    for fp8_dgrad in (True, False):
+        cfg = MoKConfig(precision="fp8", fp8_dgrad=fp8_dgrad)
+        ws = get_workspace(None, "cpu", x.shape[0], x.shape[1], top.shape[1], fc1.shape[0], cfg)
+        sched = functional.build_schedule(cfg, ws, top)
+        _, ctx = functional.forward(cfg, ws, sched, x, probs, fc1, fc2, sfc1, sfc2)
+        grads[fp8_dgrad] = functional.backward(cfg, ws, sched, ctx, g, x, probs, fc1, fc2, sfc1, sfc2)
+        direct = reference.backward(ws, sched, ctx, g, x, probs, fc1, fc2, sfc1, sfc2,
+                                    dgrad_precision=cfg.dgrad_precision)
+        assert torch.equal(grads[fp8_dgrad].dx, direct[0].to(x.dtype))
+    q, b = grads[True], grads[False]
+    assert torch.equal(q.dprobs, b.dprobs) and torch.equal(q.dfc2, b.dfc2)
+    assert torch.equal(q.dshared_fc1, b.dshared_fc1)
+    assert 2e-3 < _rel(q.dx, b.dx) < 6e-2
+    assert 2e-3 < _rel(q.dfc1, b.dfc1) < 6e-2  # dh comes from the e4m3 dgrad of dy

@@ -444,7 +444,8 @@ __device__ __forceinline__ void store_task(const Params& p, const Ring& sm, cons
 // are rounded to bf16 as an unfused da would be, staged, and each 8-column piece of a token row is
 // turned into d_gate and d_up with the forward's pre-activations h = [gate | up] of that row:
 // out = dh = [d_gate | d_up] ([rows, 2 N]). trow (optional): out row r pairs with h row trow[r].
-template <class Ring>
+// kTok: as for store_task.
+template <int kTok = kMaxTok, class Ring>
 __device__ __forceinline__ void store_task_swiglu_bwd(const Params& p, const Ring& sm, const Task& tk, int cw,
                                                       const float (&acc)[128], const __nv_bfloat16* h,
                                                       const int* trow) {
@@ -455,7 +456,7 @@ __device__ __forceinline__ void store_task_swiglu_bwd(const Params& p, const Rin
   const int col0 = tk.block * WM + cw * 64;
   const int64_t ld = 2 * static_cast<int64_t>(p.N);
 #pragma unroll
-  for (int sl = 0; sl < kMaxTok / 64; ++sl) {
+  for (int sl = 0; sl < kTok / 64; ++sl) {
     if (64 * sl >= tk.n_tok) break;
     const int row0 = tk.row0 + 64 * sl;
     const int n_real = tk.n_real - 64 * sl;

@@ -11,8 +11,10 @@
 namespace mok {
 namespace {
 
+using xgemm8::Epilogue;
+
 // Persistent CTAs walk the expert-major tasks round-robin (expert_gemm_kernel's order).
-template <bool kSwiGLU>
+template <Epilogue kEpi>
 __global__ void __launch_bounds__(xgemm::kThreads, 1)
     expert_gemm_fp8_kernel(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
                            const __grid_constant__ CUtensorMap tmR, xgemm8::Params p) {
@@ -31,7 +33,8 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
         tma_prefetch_desc(&tmR);
         uint32_t it = 0;
         for (int u = blockIdx.x; u < tasks; u += gridDim.x)
-          xgemm8::produce_task<kSwiGLU>(p, &tmW, &tmX, &tmR, sm, xgemm::decode(p.g, chunk_prefix, u), it);
+          xgemm8::produce_task<kEpi == Epilogue::kSwiGLU>(p, &tmW, &tmX, &tmR, sm,
+                                                          xgemm::decode(p.g, chunk_prefix, u), it);
       },
       [] {},
       [&](int cw) {
@@ -42,7 +45,11 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
           const float* ws = p.w_scale + ((int64_t)t.seg * p.g.n_blocks + t.block) * nk;
           xgemm8::mma_task_any(p, sm, cw, acc, it, t.n_tok, ws);
           // decoded again: keeping the task live through the main loop costs registers
-          xgemm::store_task<kSwiGLU, xgemm8::kMaxTok>(p.g, sm, xgemm::decode(p.g, chunk_prefix, u), cw, acc);
+          const xgemm::Task done = xgemm::decode(p.g, chunk_prefix, u);
+          if constexpr (kEpi == Epilogue::kSwiGLUBackward)
+            xgemm::store_task_swiglu_bwd<xgemm8::kMaxTok>(p.g, sm, done, cw, acc, p.h, nullptr);
+          else
+            xgemm::store_task<kEpi == Epilogue::kSwiGLU, xgemm8::kMaxTok>(p.g, sm, done, cw, acc);
         }
       });
 }
@@ -66,11 +73,13 @@ struct ScaleLayout {
 
 // Half a warp per (row, 128-column block), 8 columns a lane (16-byte loads):
 // s = max(amax, kMinAmax) / 448, q = e4m3(x / s) (IEEE division, round to nearest even,
-// saturating).
+// saturating). gate_up_pairs: x [rows, K] holds [gate | up] (K / 2 columns each) and q's block kb
+// is gate columns 64 kb .. 64 kb + 63, then the same up columns (the K order of fc1's transposed
+// e4m3 copy).
 __global__ void __launch_bounds__(256) quantize_rows_e4m3_kernel(const __nv_bfloat16* __restrict__ x,
                                                                  uint8_t* __restrict__ q, float* __restrict__ scale,
                                                                  int64_t rows, int K, ScaleLayout sl,
-                                                                 const int* rows_end) {
+                                                                 const int* rows_end, bool gate_up_pairs) {
   if (rows_end != nullptr) rows = min(rows, (int64_t)max(0, *rows_end));
   const int half = threadIdx.x % 32 / 16, lane = threadIdx.x % 16;
   const int nkb = K / 128;
@@ -82,9 +91,10 @@ __global__ void __launch_bounds__(256) quantize_rows_e4m3_kernel(const __nv_bflo
     const int64_t r = live ? item / nkb : 0;
     const int kb = live ? static_cast<int>(item % nkb) : 0;
     const int64_t off = r * K + kb * 128 + 8 * lane;
+    const int64_t x_off = gate_up_pairs ? r * K + (lane < 8 ? 0 : K / 2) + 64 * kb + 8 * (lane % 8) : off;
     float v[8];
     if (live) {
-      unpack8(ld16(x + off), v);
+      unpack8(ld16(x + x_off), v);
     } else {
 #pragma unroll
       for (int j = 0; j < 8; ++j) v[j] = 0.f;
@@ -130,14 +140,22 @@ __global__ void __launch_bounds__(256) dequantize_rows_e4m3_kernel(const uint8_t
   }
 }
 
+constexpr int kTransposePitch = 144;  // bytes per row of the transposed tile (16-byte aligned rows)
+
 // One CTA per (expert, 128-row weight tile, 128 columns): the tile's rows are rows 128 t .. 128 t + 127
 // (plain) or gate rows 64 t .. 64 t + 63 and the same up rows (swiglu: w holds [gate (n); up (n)]),
 // rows at or past n of a half count as zeros (fp8.quantize_weight pads them). A thread holds 8
 // columns of 8 rows (16-byte loads); s = max(amax, kMinAmax) / 448, q = e4m3(w / s).
+// q_t (optional; whole tiles only): the transposed copy [nseg][K][tiles * 128] for the backward's
+// dgrads, the tile's rows in the order above as its columns 128 t .. 128 t + 127, with the same
+// scale at scale_t [nseg][K / 128][tiles].
 __global__ void __launch_bounds__(256) quantize_weight_e4m3_kernel(const __nv_bfloat16* __restrict__ w,
                                                                    uint8_t* __restrict__ q, float* __restrict__ scale,
-                                                                   int rows, int n, int K, int tiles, bool swiglu) {
+                                                                   int rows, int n, int K, int tiles, bool swiglu,
+                                                                   uint8_t* __restrict__ q_t,
+                                                                   float* __restrict__ scale_t) {
   __shared__ float warp_max[8];
+  __shared__ __align__(16) uint8_t tile_t[128 * kTransposePitch];  // [column][row] of the quantized tile
   const int nkb = K / 128;
   const int kb = blockIdx.x % nkb, tile = (blockIdx.x / nkb) % tiles, seg = blockIdx.x / nkb / tiles;
   const int chunk = threadIdx.x % 16, r0 = threadIdx.x / 16;
@@ -172,8 +190,24 @@ __global__ void __launch_bounds__(256) quantize_weight_e4m3_kernel(const __nv_bf
     out.x = e4m3x4(__fdiv_rn(v[j][0], s), __fdiv_rn(v[j][1], s), __fdiv_rn(v[j][2], s), __fdiv_rn(v[j][3], s));
     out.y = e4m3x4(__fdiv_rn(v[j][4], s), __fdiv_rn(v[j][5], s), __fdiv_rn(v[j][6], s), __fdiv_rn(v[j][7], s));
     *reinterpret_cast<uint2*>(q + off[j]) = out;
+    if (q_t != nullptr) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        tile_t[(8 * chunk + e) * kTransposePitch + r0 + 16 * j] = static_cast<uint8_t>((e < 4 ? out.x : out.y) >> (8 * (e % 4)));
+    }
   }
   if (threadIdx.x == 0) scale[((int64_t)seg * tiles + tile) * nkb + kb] = s;
+  if (q_t == nullptr) return;
+  if (threadIdx.x == 0) scale_t[((int64_t)seg * nkb + kb) * tiles + tile] = s;
+  __syncthreads();
+  // 128 rows (the tile's columns) x 8 pieces of 16 bytes
+  const int64_t ld_t = (int64_t)tiles * 128;
+#pragma unroll
+  for (int i = threadIdx.x; i < 128 * 8; i += 256) {
+    const int c = i / 8, piece = i % 8;
+    const uint4 val = *reinterpret_cast<const uint4*>(tile_t + c * kTransposePitch + 16 * piece);
+    *reinterpret_cast<uint4*>(q_t + ((int64_t)seg * K + kb * 128 + c) * ld_t + tile * 128 + 16 * piece) = val;
+  }
 }
 
 }  // namespace
@@ -181,7 +215,7 @@ __global__ void __launch_bounds__(256) quantize_weight_e4m3_kernel(const __nv_bf
 const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, int K, const float* x_scale,
                                    int x_scale_ld, const void* w8, const float* w_scale, int nseg,
                                    const int* seg_offsets, const int* seg_counts, void* out, void* pre_out, int N,
-                                   int num_ctas, cudaStream_t stream) {
+                                   const void* h, int num_ctas, cudaStream_t stream) {
   if (rows <= 0 || N <= 0) return nullptr;
   if (K <= 0 || K % 128) return "mok expert_gemm_fp8: K must be a positive multiple of 128 (the scale blocks)";
   if (N % 8) return "mok expert_gemm_fp8: N must be a multiple of 8";
@@ -190,8 +224,10 @@ const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, in
   if (seg_offsets == nullptr || seg_counts == nullptr) return "mok expert_gemm_fp8: needs segment offsets and counts";
   if (x_scale_ld % 4 || x_scale_ld < rows)
     return "mok expert_gemm_fp8: the token scales need a pitch >= rows, a multiple of 4 (quantize_rows_e4m3)";
-  if (!aligned16(out) || (pre_out != nullptr && !aligned16(pre_out)))
-    return "mok expert_gemm_fp8: out and pre_out must start at a 16-byte aligned address (16-byte stores)";
+  if (!aligned16(out) || (pre_out != nullptr && !aligned16(pre_out)) || (h != nullptr && !aligned16(h)))
+    return "mok expert_gemm_fp8: out, pre_out and h must start at a 16-byte aligned address (16-byte accesses)";
+  if (h != nullptr && (swiglu || pre_out != nullptr))
+    return "mok expert_gemm_fp8: h (the SwiGLU backward epilogue) goes with plain weights and no pre_out";
   CUtensorMap tmW, tmX, tmR;
   if (const char* m = make_tmap_e4m3_2d(&tmX, x8, rows, K, xgemm::kXBox)) return m;
   if (swiglu) {
@@ -206,7 +242,10 @@ const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, in
   p.w_scale = w_scale;
   p.x_scale = x_scale;
   p.x_scale_ld = x_scale_ld;
-  auto kernel = swiglu ? expert_gemm_fp8_kernel<true> : expert_gemm_fp8_kernel<false>;
+  p.h = static_cast<const __nv_bfloat16*>(h);
+  auto kernel = swiglu ? expert_gemm_fp8_kernel<Epilogue::kSwiGLU>
+                       : (h != nullptr ? expert_gemm_fp8_kernel<Epilogue::kSwiGLUBackward>
+                                       : expert_gemm_fp8_kernel<Epilogue::kPlain>);
   cudaLaunchConfig_t cfg = launch_config(xgemm::kThreads, xgemm8::kSmemBytes, stream, false, nullptr);
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, xgemm8::kSmemBytes) != cudaSuccess)
     return "mok expert_gemm_fp8: cannot raise the shared-memory limit";
@@ -218,7 +257,7 @@ const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, in
 
 const char* launch_quantize_rows_e4m3(const void* x, int64_t rows, int K, void* q, float* scale,
                                       int64_t scale_row_stride, int64_t scale_kb_stride, const int* rows_end,
-                                      cudaStream_t stream) {
+                                      bool gate_up_pairs, cudaStream_t stream) {
   if (rows <= 0) return nullptr;
   if (K <= 0 || K % 128) return "mok quantize_rows_e4m3: K must be a positive multiple of 128";
   if (!aligned16(x) || !aligned16(q)) return "mok quantize_rows_e4m3: x and q must be 16-byte aligned";
@@ -226,7 +265,7 @@ const char* launch_quantize_rows_e4m3(const void* x, int64_t rows, int K, void* 
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((pairs + 7) / 8, 16 * (int64_t)num_sms()));
   quantize_rows_e4m3_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(x), static_cast<uint8_t*>(q), scale, rows, K,
-      ScaleLayout{scale_row_stride, scale_kb_stride}, rows_end);
+      ScaleLayout{scale_row_stride, scale_kb_stride}, rows_end, gate_up_pairs);
   return launch_status();
 }
 
@@ -245,17 +284,22 @@ const char* launch_dequantize_rows_e4m3(const void* q, const float* scale, int64
 }
 
 const char* launch_quantize_weight_e4m3(const void* w, int nseg, int rows, int K, bool swiglu, void* q, float* scale,
-                                        cudaStream_t stream) {
+                                        void* q_t, float* scale_t, cudaStream_t stream) {
   if (nseg <= 0 || rows <= 0) return nullptr;
   if (K <= 0 || K % 128) return "mok quantize_weight_e4m3: K must be a positive multiple of 128";
   if (swiglu && rows % 2) return "mok quantize_weight_e4m3: swiglu weights hold [gate; up]: an even row count";
   if (!aligned16(w) || !aligned16(q)) return "mok quantize_weight_e4m3: w and q must be 16-byte aligned";
   const int n = swiglu ? rows / 2 : rows;
   const int tiles = swiglu ? (n + 63) / 64 : (n + 127) / 128;
+  if ((q_t == nullptr) != (scale_t == nullptr)) return "mok quantize_weight_e4m3: q_t and scale_t go together";
+  if (q_t != nullptr && (n % (swiglu ? 64 : 128) || !aligned16(q_t)))
+    return "mok quantize_weight_e4m3: the transposed copy needs whole tiles (rows a multiple of 128) and 16-byte "
+           "alignment";
   const int64_t blocks = (int64_t)nseg * tiles * (K / 128);
   if (blocks > INT32_MAX) return "mok quantize_weight_e4m3: too many blocks";
   quantize_weight_e4m3_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(w), static_cast<uint8_t*>(q), scale, rows, n, K, tiles, swiglu);
+      static_cast<const __nv_bfloat16*>(w), static_cast<uint8_t*>(q), scale, rows, n, K, tiles, swiglu,
+      static_cast<uint8_t*>(q_t), scale_t);
   return launch_status();
 }
 

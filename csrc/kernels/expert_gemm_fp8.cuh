@@ -25,6 +25,10 @@
 // - X8 [rows, K] e4m3 with XS [K / 128][x_scale_ld] fp32 (transposed: a stage's 128 token scales
 //   are one 512-byte TMA box);
 // - W8 [nseg * w_rows, K] e4m3 with WS [nseg][n_blocks][K / 128] fp32.
+// The backward's dgrads run on the same tasks with the weights' transposed e4m3 copies
+// (quantize_weight_e4m3's q_t: the same 128 x 128 tiles and scales, so K is the forward's output
+// side): dy against fc2^T with the SwiGLU backward in the epilogue, then dh (its columns in gate/up
+// pair order, as fc1^T's K) against fc1^T.
 // Every output element is owned by one task and reduced in ascending K order: the bits do not
 // depend on the grid. Epilogue and padding rows: expert_gemm.cuh's (store_task).
 #pragma once
@@ -47,11 +51,17 @@ constexpr int kOffBarriers = kOffScales + kStages * kRBytes;
 constexpr int kSmemBytes = kOffBarriers + 2 * kStages * 8 + 1024 /* alignment */;
 static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 
+// What a task's epilogue writes (expert_gemm.cuh's stores): the forward's SwiGLU (act, optional
+// pre-activations), plain rows, or the backward's SwiGLU gradient from the down projection's dgrad
+// (dh = [d_gate | d_up] from da and the forward's pre-activations h).
+enum class Epilogue { kPlain, kSwiGLU, kSwiGLUBackward };
+
 struct Params {
   xgemm::Params g;        // segments, shapes, outputs (K in elements = bytes)
   const float* w_scale;   // [nseg][n_blocks][nkb]
   const float* x_scale;   // [nkb][x_scale_ld]
   int x_scale_ld;
+  const __nv_bfloat16* h;  // kSwiGLUBackward: the forward's pre-activations [rows, 2 N]
 };
 
 struct Smem {

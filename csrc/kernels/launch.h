@@ -85,19 +85,22 @@ const char* launch_grouped_gemm(bool swiglu, const void* A, int64_t a_rows, int 
 // launch_grouped_gemm with e4m3 operands: x8 [rows, K] with x_scale [K / 128][x_scale_ld]
 // (launch_quantize_rows_e4m3), w8 [nseg * (swiglu ? 2 N : N), K] with w_scale
 // [nseg][weight tiles][K / 128] (tiles of 128 rows; swiglu: gate rows 64 b .. +63 with the same up
-// rows). Outputs as launch_grouped_gemm's (bf16). K a multiple of 128.
+// rows). Outputs as launch_grouped_gemm's (bf16). K a multiple of 128. h (optional, plain weights
+// only): the backward's down-projection dgrad, out = dh [rows, 2 N] = the SwiGLU backward of the
+// products with the forward's pre-activations h [rows, 2 N] (launch_expert_dgrad's epilogue).
 const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, int K, const float* x_scale,
                                    int x_scale_ld, const void* w8, const float* w_scale, int nseg,
                                    const int* seg_offsets, const int* seg_counts, void* out, void* pre_out, int N,
-                                   int num_ctas, cudaStream_t stream);
+                                   const void* h, int num_ctas, cudaStream_t stream);
 
 // x [rows, K] bf16 -> q [rows, K] e4m3 with one scale per (row, 128 columns) at
 // scale[row * scale_row_stride + kb * scale_kb_stride] (the GEMM's [kb][ld]: strides 1, ld; the
 // dispatch's rows [row][kb pitch]: strides pitch, 1). rows_end (optional device int): only rows
-// below min(rows, *rows_end) are quantized.
+// below min(rows, *rows_end) are quantized. gate_up_pairs: x holds [gate | up] and q's 128-column
+// block kb is gate columns 64 kb .. 64 kb + 63 with the same up columns (fc1's transposed K order).
 const char* launch_quantize_rows_e4m3(const void* x, int64_t rows, int K, void* q, float* scale,
                                       int64_t scale_row_stride, int64_t scale_kb_stride, const int* rows_end,
-                                      cudaStream_t stream);
+                                      bool gate_up_pairs, cudaStream_t stream);
 
 // The inverse: x [rows, K] bf16 = e4m3 q times its scale (scales as above), rounded once.
 const char* launch_dequantize_rows_e4m3(const void* q, const float* scale, int64_t scale_row_stride,
@@ -106,9 +109,11 @@ const char* launch_dequantize_rows_e4m3(const void* q, const float* scale, int64
 
 // w [nseg, rows, K] bf16 -> q [nseg, rows, K] e4m3 with one scale per (expert, 128-row tile, 128
 // columns), scale [nseg][tiles][K / 128]; swiglu: w holds [gate; up] and tile t is gate rows
-// 64 t .. 64 t + 63 with the same up rows (the tiles launch_expert_gemm_fp8 reads).
+// 64 t .. 64 t + 63 with the same up rows (the tiles launch_expert_gemm_fp8 reads). q_t / scale_t
+// (optional, whole tiles only): the transposed copy [nseg][K][tiles * 128] (a tile's rows in that
+// order are its columns 128 t ..) with scale_t [nseg][K / 128][tiles], the dgrads' weights.
 const char* launch_quantize_weight_e4m3(const void* w, int nseg, int rows, int K, bool swiglu, void* q, float* scale,
-                                        cudaStream_t stream);
+                                        void* q_t, float* scale_t, cudaStream_t stream);
 
 // Push-combine: routed row i's output y[i] -> slot row_src_slot[i] of rank row_src_rank[i]'s
 // symmetric combine buffer [T * k, H]. Slots are unique: plain stores, no atomics.

@@ -11,7 +11,7 @@ import torch
 from megatron_mok import MoKConfig, fp8, functional
 from megatron_mok.schedule import build_schedule_reference
 
-from ._bwd import check_close, grads_list
+from ._bwd import assert_bitwise, check_close, grads_list
 from ._util import bits, eager_before_capture, gpu_marks, make_case, poison_internal, rel_err
 from ._util import kernel_path_module as _kp
 
@@ -72,6 +72,26 @@ def test_quantize_weight_matches_reference_bits(swiglu, nseg, n, K):
     ref = fp8.quantize_weight(w, swiglu=swiglu)
     assert torch.equal(_u8(q), _u8(ref.q)), "e4m3 bytes differ from the reference"
     assert torch.equal(scale, ref.scale), "scales differ from the reference"
+    if n % (64 if swiglu else 128):
+        return  # the transposed copy needs whole tiles
+    # the dgrads' transposed copy from the same pass
+    q2, scale2, q_t, scale_t = ops.quantize_weight_e4m3(w, swiglu, transposed=True)
+    ref_t = ref.transposed()
+    assert torch.equal(_u8(q2), _u8(q)) and torch.equal(scale2, scale)
+    assert torch.equal(_u8(q_t), _u8(ref_t.q)), "transposed e4m3 bytes differ from the reference"
+    assert torch.equal(scale_t, ref_t.scale), "transposed scales differ from the reference"
+
+
+def test_quantize_rows_gate_up_pairs_bits():
+    """dh's quantizer for the fp8 dgrad: [gate | up] columns in gate/up pair blocks."""
+    from megatron_mok import ops
+
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(333, 2 * 320, generator=gen) * 3).bfloat16()
+    q, scale = ops.quantize_rows_e4m3(x.to(DEV), gate_up_pairs=True)
+    q_ref, s_ref = fp8.quantize_rows(x, gate_up_pairs=True)
+    assert torch.equal(_u8(q).cpu(), _u8(q_ref)), "paired e4m3 bytes differ from the reference"
+    assert torch.equal(scale[:, :333].cpu().t(), s_ref), "paired scales differ from the reference"
 
 
 def _segments(counts, K, gen):
@@ -150,6 +170,66 @@ def test_expert_gemm_fp8_matches_dequantized_products(swiglu, K, N, counts, posi
     assert worst_vs_bf16 < 8e-2, worst_vs_bf16  # e4m3's 3 mantissa bits, against unquantized operands
 
 
+@pytest.mark.parametrize("H,I,counts", [
+    (256, 128, [130, 0, 1, 255, 256, 257, 17]),  # chunk sizes 1..128, an empty expert
+    (512, 384, [0, 700, 0]),  # all rows on one expert
+    (7168, 256, [300, 211]),  # DeepSeek-V3's H (56 scale blocks of dy)
+])
+def test_expert_gemm_fp8_dgrads_match_dequantized_products(H, I, counts):
+    """The backward's two e4m3 dgrads: dh = swiglu_backward(h, bf16(dy @ fc2[e])) against fc2's
+    transposed copy, then dx = dh @ fc1[e] from dh in gate/up pair blocks against fc1's transposed
+    copy; each against fp64 products of its dequantized operands (<= 1e-2, and no worse than 1.5x
+    the bf16 expert_dgrad against its own), padding rows +0, rows past the segments untouched,
+    bits independent of the CTA count."""
+    from megatron_mok import ops
+
+    E = len(counts)
+    gen = torch.Generator().manual_seed(H + I + E)
+    dy, offs, cap = _segments(counts, H, gen)
+    h, _, _ = _segments(counts, 2 * I, gen)
+    fc1 = (torch.randn(E, 2 * I, H, generator=gen) / H**0.5).bfloat16()
+    fc2 = (torch.randn(E, H, I, generator=gen) / I**0.5).bfloat16()
+    w8 = functional.quantize_expert_weights(fc1.to(DEV), fc2.to(DEV), transposed=True)
+    seg = torch.tensor(offs, dtype=torch.int32, device=DEV)
+    cnt = torch.tensor(counts, dtype=torch.int32, device=DEV)
+    dyq, dys = ops.quantize_rows_e4m3(dy.to(DEV))
+    first = None
+    for ctas in (0, 1, 77):
+        dh = torch.full((cap, 2 * I), float("nan"), dtype=torch.bfloat16, device=DEV)
+        ops.expert_gemm_fp8(dyq, dys, w8.fc2_t.q, w8.fc2_t.scale, seg, cnt, dh, False, num_ctas=ctas, h=h.to(DEV))
+        dhq, dhs = ops.quantize_rows_e4m3(dh, seg[-1:], gate_up_pairs=True)
+        dx = torch.full((cap, H), float("nan"), dtype=torch.bfloat16, device=DEV)
+        ops.expert_gemm_fp8(dhq, dhs, w8.fc1_t.q, w8.fc1_t.scale, seg, cnt, dx, False, num_ctas=ctas)
+        if first is None:
+            first = (dh, dx)
+            continue
+        assert torch.equal(bits(dh), bits(first[0])) and torch.equal(bits(dx), bits(first[1])), ctas
+    dh, dx = (t.cpu() for t in first)
+    # the bf16 dgrad kernels on the unquantized operands: the bar for the accumulation
+    dh16 = torch.empty((cap, 2 * I), dtype=torch.bfloat16, device=DEV)
+    ops.expert_dgrad(dy.to(DEV), fc2.to(DEV), seg, cnt, dh16, h=h.to(DEV))
+    dh16 = dh16.cpu()
+    from megatron_mok.reference import _swiglu_backward
+
+    dy_deq = fp8.dequantize_rows(*fp8.quantize_rows(dy)).double()
+    w1, w2 = w8.fc1.dequantize().cpu().double(), w8.fc2.dequantize().cpu().double()
+    dh_rows = fp8.dequantize_rows(*fp8.quantize_rows(dh, gate_up_pairs=True))
+    for e, n in enumerate(counts):
+        lo, end = offs[e], offs[e + 1]
+        if n:
+            r = slice(lo, lo + n)
+            hd = h[r].double()
+            ref_dh = _swiglu_backward(hd, (dy_deq[r] @ w2[e]).bfloat16().double())
+            ref_dh16 = _swiglu_backward(hd, (dy[r].double() @ fc2[e].double()).bfloat16().double())
+            err = rel_err(dh[r], ref_dh)
+            assert err < 1e-2 and err <= 1.5 * rel_err(dh16[r], ref_dh16) + 1e-4, (e, err)
+            ref_dx = fp8.unpair_columns(dh_rows[r]).double() @ w1[e]
+            assert rel_err(dx[r], ref_dx) < 1e-2, (e, rel_err(dx[r], ref_dx))
+            assert rel_err(dh[r], ref_dh16) < 8e-2  # e4m3 against the unquantized operands
+        assert bool((dh[lo + n:end] == 0).all()) and bool((dx[lo + n:end] == 0).all()), f"padding rows of {e}"
+    assert torch.isnan(dh[offs[-1]:].float()).all() and torch.isnan(dx[offs[-1]:].float()).all()
+
+
 FP8_SHAPES = [  # T, H, I, Is, E, k (H and I multiples of 128)
     (256, 256, 128, 128, 8, 2),
     (300, 384, 256, 0, 16, 4),
@@ -202,15 +282,17 @@ def test_fp8_forward_matches_fp8_reference(kind, shape, monkeypatch):
     ws.check_errors(blocking=True)
 
 
-def test_fp8_forward_cuda_graph_and_backward():
+@pytest.mark.parametrize("fp8_dgrad", [True, False])
+def test_fp8_forward_cuda_graph_and_backward(fp8_dgrad):
     """Schedule + fp8 forward captured in a CUDA graph (no host sync) replays the eager bits; the
-    bf16 backward on the fp8 forward's context matches the reference backward on the reference fp8
-    context (<= 1e-2 for every gradient)."""
+    backward on the fp8 forward's context (e4m3 or bf16 dgrads) matches the reference backward on
+    the reference fp8 context (<= 1e-2 for every gradient), repeats bit for bit, and replays the
+    same bits from a CUDA graph."""
     shape = (517, 512, 384, 256, 32, 8)
-    cfg = MoKConfig(precision="fp8")
+    cfg = MoKConfig(precision="fp8", fp8_dgrad=fp8_dgrad)
     cfg, ws, top, inputs, _ = make_case(shape, "skewed", 5, DEV, cfg)
     kp = _kp()
-    w8 = functional.quantize_expert_weights(inputs[2], inputs[3])
+    w8 = functional.quantize_expert_weights(inputs[2], inputs[3], transposed=fp8_dgrad)
 
     def run():
         return kp.forward(cfg, ws, kp.build_schedule(cfg, ws, top), *inputs, fp8_weights=w8)
@@ -228,8 +310,25 @@ def test_fp8_forward_cuda_graph_and_backward():
     out, ctx = kp.forward(cfg, ws, sched, *inputs, fp8_weights=w8)
     assert ctx.x_routed is None and ctx.x_e4m3 is not None  # e4m3 rows kept, dequantized by the backward
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).bfloat16().to(DEV)
-    got = grads_list(functional.backward(cfg, ws, sched, ctx, grad, *inputs))
+    got = grads_list(functional.backward(cfg, ws, sched, ctx, grad, *inputs, fp8_weights=w8))
     assert ctx.x_routed is None, "the backward grew the context (the dequantized rows are its own)"
+    again = grads_list(functional.backward(cfg, ws, sched, ctx, grad, *inputs))  # weights quantized inside
+    assert_bitwise(got, again, "repeat")
+
+    def bwd():
+        return grads_list(functional.backward(cfg, ws, sched, ctx, grad, *inputs, fp8_weights=w8))
+
+    bwd()
+    torch.cuda.synchronize()
+    g_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g_graph):
+        captured = bwd()
+    for t in captured:
+        if t is not None:
+            t.fill_(float("nan"))
+    g_graph.replay()
+    torch.cuda.synchronize()
+    assert_bitwise(captured, got, "graph replay")
     # the reference backward on the reference fp8 forward's context (dequantized rows, e4m3 GEMMs' h)
     from megatron_mok import reference
 
@@ -237,6 +336,7 @@ def test_fp8_forward_cuda_graph_and_backward():
     x, probs, fc1, fc2, sfc1, sfc2 = inputs
     rs = build_schedule_reference(ws, top)
     rctx = reference.recompute_forward_context(ws, rs, f(x), f(fc1), f(fc2), f(sfc1), "fp8")
-    ref = list(reference.backward(ws, rs, rctx, f(grad), f(x), probs, f(fc1), f(fc2), f(sfc1), f(sfc2)))
+    ref = list(reference.backward(ws, rs, rctx, f(grad), f(x), probs, f(fc1), f(fc2), f(sfc1), f(sfc2),
+                                  dgrad_precision=cfg.dgrad_precision))
     check_close(got, ref)
     ws.check_errors(blocking=True)
