@@ -3,8 +3,9 @@
 The recipe (DeepSeek-V3's fine-grained scaling):
 
 * token rows: one fp32 scale per (row, 128 columns), ``s = max(amax, 1e-4) / 448`` and
-  ``q = e4m3(x / s)`` (round to nearest even, saturating at 448); the CUDA quantizer
-  (``ops.quantize_rows_e4m3``) gives the same bits as ``quantize_rows`` here;
+  ``q = e4m3(x * (448 / max(amax, 1e-4)))`` (one multiply an element; round to nearest even,
+  saturating at 448); the CUDA quantizer (``ops.quantize_rows_e4m3``) gives the same bits as
+  ``quantize_rows`` here;
 * weights: one fp32 scale per (expert, 128-row tile, 128 columns), where the tiles are the rows
   one GEMM task loads: rows ``128 b .. 128 b + 127`` of fc2, and gate rows ``64 b .. 64 b + 63``
   together with the same up rows of fc1 (``[gate; up]`` layout).
@@ -39,15 +40,18 @@ E4M3 = torch.float8_e4m3fn
 WEIGHT_CHUNK = 8  # experts quantized per step of quantize_weight
 
 
-def _scale_of(amax: torch.Tensor) -> torch.Tensor:
-    # an elementwise division by a tensor: CUDA divides by a Python scalar as a product with its
-    # rounded reciprocal, which is 1 ulp off now and then (and the kernels divide exactly)
+def _scale_and_inverse(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s = a / 448, 448 / a) with a = max(amax, MIN_AMAX): the stored (dequantizing) scale and the
+    quantizing factor. Elementwise divisions by tensors: CUDA divides by a Python scalar as a
+    product with its rounded reciprocal, which is 1 ulp off now and then (the kernels divide
+    exactly)."""
     a = amax.float().clamp(min=MIN_AMAX)
-    return a / torch.full_like(a, E4M3_MAX)
+    full = torch.full_like(a, E4M3_MAX)
+    return a / full, full / a
 
 
-def _to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+def _to_e4m3(x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    return (x.float() * inverse).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
 def check_k(name: str, k: int) -> None:
@@ -80,8 +84,8 @@ def quantize_rows(x: torch.Tensor, gate_up_pairs: bool = False) -> tuple[torch.T
     if gate_up_pairs:
         x = pair_columns(x)
     blocks = x.float().view(rows, k // BLOCK, BLOCK)
-    scale = _scale_of(blocks.abs().amax(dim=-1))
-    return _to_e4m3(blocks, scale.unsqueeze(-1)).view(rows, k), scale
+    scale, inverse = _scale_and_inverse(blocks.abs().amax(dim=-1))
+    return _to_e4m3(blocks, inverse.unsqueeze(-1)).view(rows, k), scale
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -143,8 +147,8 @@ def quantize_weight(w: torch.Tensor, swiglu: bool) -> E4M3Weight:
     qs, scales = [], []
     for part in w.split(WEIGHT_CHUNK):  # a few experts at a time: fp32 temporaries stay small
         wf = part.float()
-        scale = _scale_of(_apply_tiles(wf, None, swiglu, None))
-        qs.append(_apply_tiles(wf, scale, swiglu, _to_e4m3))
+        scale, inverse = _scale_and_inverse(_apply_tiles(wf, None, swiglu, None))
+        qs.append(_apply_tiles(wf, inverse, swiglu, _to_e4m3))
         scales.append(scale)
     scale = torch.cat(scales)
     return E4M3Weight(torch.cat(qs).contiguous(), scale.contiguous(), swiglu)

@@ -71,11 +71,26 @@ struct ScaleLayout {
   __device__ __forceinline__ int64_t at(int64_t r, int kb) const { return r * row_stride + kb * kb_stride; }
 };
 
-// Half a warp per (row, 128-column block), 8 columns a lane (16-byte loads):
-// s = max(amax, kMinAmax) / 448, q = e4m3(x / s) (IEEE division, round to nearest even,
-// saturating). gate_up_pairs: x [rows, K] holds [gate | up] (K / 2 columns each) and q's block kb
-// is gate columns 64 kb .. 64 kb + 63, then the same up columns (the K order of fc1's transposed
-// e4m3 copy).
+constexpr int kItemsPerHalfWarp = 2;  // (row, block) items whose loads a half warp has in flight
+
+// The recipe's two per-block numbers: s = max(amax, kMinAmax) / 448 (stored, dequantizes) and
+// 448 / max(amax, kMinAmax) (quantizes: q = e4m3(x * that), one multiply an element), both IEEE
+// divisions as fp8.py computes them.
+__device__ __forceinline__ float2 scale_and_inverse(float amax) {
+  const float a = fmaxf(amax, kMinAmax);
+  return make_float2(__fdiv_rn(a, kE4m3Max), __fdiv_rn(kE4m3Max, a));
+}
+
+__device__ __forceinline__ uint2 e4m3x8(const float (&v)[8], float inv) {
+  return make_uint2(e4m3x4(v[0] * inv, v[1] * inv, v[2] * inv, v[3] * inv),
+                    e4m3x4(v[4] * inv, v[5] * inv, v[6] * inv, v[7] * inv));
+}
+
+// Half a warp per (row, 128-column block), 8 columns a lane (16-byte loads), the loads of
+// kItemsPerHalfWarp items issued first: q = e4m3(x * 448 / amax') (round to nearest even,
+// saturating), scale amax' / 448. gate_up_pairs: x [rows, K] holds [gate | up] (K / 2 columns
+// each) and q's block kb is gate columns 64 kb .. 64 kb + 63, then the same up columns (the K order
+// of fc1's transposed e4m3 copy).
 __global__ void __launch_bounds__(256) quantize_rows_e4m3_kernel(const __nv_bfloat16* __restrict__ x,
                                                                  uint8_t* __restrict__ q, float* __restrict__ scale,
                                                                  int64_t rows, int K, ScaleLayout sl,
@@ -83,34 +98,40 @@ __global__ void __launch_bounds__(256) quantize_rows_e4m3_kernel(const __nv_bflo
   if (rows_end != nullptr) rows = min(rows, (int64_t)max(0, *rows_end));
   const int half = threadIdx.x % 32 / 16, lane = threadIdx.x % 16;
   const int nkb = K / 128;
-  const int64_t items = rows * nkb;  // (row, block) pairs, two per warp
-  const int64_t step = 2 * (int64_t)gridDim.x * (blockDim.x / 32);
-  for (int64_t i = 2 * ((int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32); i < items; i += step) {
-    const int64_t item = i + half;
-    const bool live = item < items;  // the whole warp shuffles, also an idle half
-    const int64_t r = live ? item / nkb : 0;
-    const int kb = live ? static_cast<int>(item % nkb) : 0;
-    const int64_t off = r * K + kb * 128 + 8 * lane;
-    const int64_t x_off = gate_up_pairs ? r * K + (lane < 8 ? 0 : K / 2) + 64 * kb + 8 * (lane % 8) : off;
-    float v[8];
-    if (live) {
-      unpack8(ld16(x + x_off), v);
-    } else {
+  const int64_t items = rows * nkb;  // (row, block) pairs
+  constexpr int kPerWarp = 2 * kItemsPerHalfWarp;
+  const int64_t step = kPerWarp * (int64_t)gridDim.x * (blockDim.x / 32);
+  for (int64_t i = kPerWarp * ((int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32); i < items; i += step) {
+    float v[kItemsPerHalfWarp][8];
+    int64_t q_off[kItemsPerHalfWarp];
+    int64_t r[kItemsPerHalfWarp];
+    int kb[kItemsPerHalfWarp];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = 0.f;
+    for (int u = 0; u < kItemsPerHalfWarp; ++u) {
+      const int64_t item = i + 2 * u + half;
+      const bool live = item < items;  // the whole warp shuffles, also an idle half
+      r[u] = live ? item / nkb : -1;
+      kb[u] = live ? static_cast<int>(item % nkb) : 0;
+      q_off[u] = r[u] * K + kb[u] * 128 + 8 * lane;
+      const int64_t x_off = gate_up_pairs ? r[u] * K + (lane < 8 ? 0 : K / 2) + 64 * kb[u] + 8 * (lane % 8) : q_off[u];
+      if (live) {
+        unpack8(ld16(x + x_off), v[u]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[u][j] = 0.f;
+      }
     }
-    float amax = 0.f;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
+    for (int u = 0; u < kItemsPerHalfWarp; ++u) {
+      float amax = 0.f;
 #pragma unroll
-    for (int o = 8; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float s = __fdiv_rn(fmaxf(amax, kMinAmax), kE4m3Max);
-    if (live) {
-      uint2 out;
-      out.x = e4m3x4(__fdiv_rn(v[0], s), __fdiv_rn(v[1], s), __fdiv_rn(v[2], s), __fdiv_rn(v[3], s));
-      out.y = e4m3x4(__fdiv_rn(v[4], s), __fdiv_rn(v[5], s), __fdiv_rn(v[6], s), __fdiv_rn(v[7], s));
-      *reinterpret_cast<uint2*>(q + off) = out;
-      if (lane == 0) scale[sl.at(r, kb)] = s;
+      for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[u][j]));
+#pragma unroll
+      for (int o = 8; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      if (r[u] < 0) continue;
+      const float2 si = scale_and_inverse(amax);
+      *reinterpret_cast<uint2*>(q + q_off[u]) = e4m3x8(v[u], si.y);
+      if (lane == 0) scale[sl.at(r[u], kb[u])] = si.x;
     }
   }
 }
@@ -145,7 +166,7 @@ constexpr int kTransposePitch = 144;  // bytes per row of the transposed tile (1
 // One CTA per (expert, 128-row weight tile, 128 columns): the tile's rows are rows 128 t .. 128 t + 127
 // (plain) or gate rows 64 t .. 64 t + 63 and the same up rows (swiglu: w holds [gate (n); up (n)]),
 // rows at or past n of a half count as zeros (fp8.quantize_weight pads them). A thread holds 8
-// columns of 8 rows (16-byte loads); s = max(amax, kMinAmax) / 448, q = e4m3(w / s).
+// columns of 8 rows (16-byte loads); s = max(amax, kMinAmax) / 448, q = e4m3(w * 448 / amax').
 // q_t (optional; whole tiles only): the transposed copy [nseg][K][tiles * 128] for the backward's
 // dgrads, the tile's rows in the order above as its columns 128 t .. 128 t + 127, with the same
 // scale at scale_t [nseg][K / 128][tiles].
@@ -182,13 +203,12 @@ __global__ void __launch_bounds__(256) quantize_weight_e4m3_kernel(const __nv_bf
   amax = warp_max[0];
 #pragma unroll
   for (int i = 1; i < 8; ++i) amax = fmaxf(amax, warp_max[i]);
-  const float s = __fdiv_rn(fmaxf(amax, kMinAmax), kE4m3Max);
+  const float2 si = scale_and_inverse(amax);
+  const float s = si.x;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     if (!live[j]) continue;
-    uint2 out;
-    out.x = e4m3x4(__fdiv_rn(v[j][0], s), __fdiv_rn(v[j][1], s), __fdiv_rn(v[j][2], s), __fdiv_rn(v[j][3], s));
-    out.y = e4m3x4(__fdiv_rn(v[j][4], s), __fdiv_rn(v[j][5], s), __fdiv_rn(v[j][6], s), __fdiv_rn(v[j][7], s));
+    const uint2 out = e4m3x8(v[j], si.y);
     *reinterpret_cast<uint2*>(q + off[j]) = out;
     if (q_t != nullptr) {
 #pragma unroll
@@ -261,8 +281,9 @@ const char* launch_quantize_rows_e4m3(const void* x, int64_t rows, int K, void* 
   if (rows <= 0) return nullptr;
   if (K <= 0 || K % 128) return "mok quantize_rows_e4m3: K must be a positive multiple of 128";
   if (!aligned16(x) || !aligned16(q)) return "mok quantize_rows_e4m3: x and q must be 16-byte aligned";
-  const int64_t pairs = (rows * (K / 128) + 1) / 2;  // two (row, block) items per warp
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((pairs + 7) / 8, 16 * (int64_t)num_sms()));
+  const int64_t per_warp = 2 * kItemsPerHalfWarp;  // (row, block) items
+  const int64_t warps = (rows * (K / 128) + per_warp - 1) / per_warp;
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((warps + 7) / 8, 16 * (int64_t)num_sms()));
   quantize_rows_e4m3_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(x), static_cast<uint8_t*>(q), scale, rows, K,
       ScaleLayout{scale_row_stride, scale_kb_stride}, rows_end, gate_up_pairs);
