@@ -98,22 +98,38 @@ __global__ void __launch_bounds__(256) quantize_rows_e4m3_kernel(const __nv_bflo
   if (rows_end != nullptr) rows = min(rows, (int64_t)max(0, *rows_end));
   const int half = threadIdx.x % 32 / 16, lane = threadIdx.x % 16;
   const int nkb = K / 128;
-  const int64_t items = rows * nkb;  // (row, block) pairs
   constexpr int kPerWarp = 2 * kItemsPerHalfWarp;
+  // (row, block) items in row-major order, kPerWarp consecutive ones a warp; the warp's first item
+  // advances by (step_r rows, step_kb blocks) per iteration: no division in the loop
+  const int64_t warp = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int64_t step = kPerWarp * (int64_t)gridDim.x * (blockDim.x / 32);
-  for (int64_t i = kPerWarp * ((int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32); i < items; i += step) {
+  const int64_t step_r = step / nkb;
+  const int step_kb = static_cast<int>(step % nkb);
+  int64_t r0 = kPerWarp * warp / nkb;
+  int kb0 = static_cast<int>(kPerWarp * warp % nkb);
+  for (; r0 < rows; r0 += step_r, kb0 += step_kb) {
+    if (kb0 >= nkb) {
+      kb0 -= nkb;
+      ++r0;
+      if (r0 >= rows) break;
+    }
     float v[kItemsPerHalfWarp][8];
     int64_t q_off[kItemsPerHalfWarp];
     int64_t r[kItemsPerHalfWarp];
     int kb[kItemsPerHalfWarp];
 #pragma unroll
     for (int u = 0; u < kItemsPerHalfWarp; ++u) {
-      const int64_t item = i + 2 * u + half;
-      const bool live = item < items;  // the whole warp shuffles, also an idle half
-      r[u] = live ? item / nkb : -1;
-      kb[u] = live ? static_cast<int>(item % nkb) : 0;
-      q_off[u] = r[u] * K + kb[u] * 128 + 8 * lane;
-      const int64_t x_off = gate_up_pairs ? r[u] * K + (lane < 8 ? 0 : K / 2) + 64 * kb[u] + 8 * (lane % 8) : q_off[u];
+      int b = kb0 + 2 * u + half;
+      int64_t row = r0;
+      while (b >= nkb) {  // at most kPerWarp steps (nkb >= 1)
+        b -= nkb;
+        ++row;
+      }
+      const bool live = row < rows;  // the whole warp shuffles, also an idle half
+      r[u] = live ? row : -1;
+      kb[u] = b;
+      q_off[u] = row * K + b * 128 + 8 * lane;
+      const int64_t x_off = gate_up_pairs ? row * K + (lane < 8 ? 0 : K / 2) + 64 * b + 8 * (lane % 8) : q_off[u];
       if (live) {
         unpack8(ld16(x + x_off), v[u]);
       } else {
@@ -210,10 +226,11 @@ __global__ void __launch_bounds__(256) quantize_weight_e4m3_kernel(const __nv_bf
     if (!live[j]) continue;
     const uint2 out = e4m3x8(v[j], si.y);
     *reinterpret_cast<uint2*>(q + off[j]) = out;
-    if (q_t != nullptr) {
+    if (q_t != nullptr) {  // the 16-byte units of row 8 chunk + e XOR-swizzled by chunk: 2-way bank conflicts, not 16
 #pragma unroll
       for (int e = 0; e < 8; ++e)
-        tile_t[(8 * chunk + e) * kTransposePitch + r0 + 16 * j] = static_cast<uint8_t>((e < 4 ? out.x : out.y) >> (8 * (e % 4)));
+        tile_t[(8 * chunk + e) * kTransposePitch + ((r0 + 16 * j) ^ (16 * (chunk % 8)))] =
+            static_cast<uint8_t>((e < 4 ? out.x : out.y) >> (8 * (e % 4)));
     }
   }
   if (threadIdx.x == 0) scale[((int64_t)seg * tiles + tile) * nkb + kb] = s;
@@ -225,7 +242,7 @@ __global__ void __launch_bounds__(256) quantize_weight_e4m3_kernel(const __nv_bf
 #pragma unroll
   for (int i = threadIdx.x; i < 128 * 8; i += 256) {
     const int c = i / 8, piece = i % 8;
-    const uint4 val = *reinterpret_cast<const uint4*>(tile_t + c * kTransposePitch + 16 * piece);
+    const uint4 val = *reinterpret_cast<const uint4*>(tile_t + c * kTransposePitch + 16 * (piece ^ (c / 8 % 8)));
     *reinterpret_cast<uint4*>(q_t + ((int64_t)seg * K + kb * 128 + c) * ld_t + tile * 128 + 16 * piece) = val;
   }
 }
