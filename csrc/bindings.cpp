@@ -541,7 +541,8 @@ void bwd_publish(const Tensor& grad_out, Tensor& g_dst, const Tensor& probs, Ten
 
 void bwd_pull(const Tensor& row_src_rank, const Tensor& row_src_slot, const Tensor& expert_offsets,
               const Tensor& y_routed, Tensor& dy, std::vector<int64_t> peer_g, std::vector<int64_t> peer_p,
-              std::vector<int64_t> peer_dw, int64_t topk, int64_t num_ctas, const std::optional<Tensor>& trow) {
+              std::vector<int64_t> peer_dw, int64_t topk, int64_t num_ctas, const std::optional<Tensor>& trow,
+              const std::optional<Tensor>& q, const std::optional<Tensor>& q_scale) {
   for (auto* t : {&row_src_rank, &row_src_slot, &expert_offsets}) check_cuda(*t, "schedule tensor", at::kInt);
   check_cuda(y_routed, "y_routed", at::kBFloat16);
   check_cuda(dy, "dy", at::kBFloat16);
@@ -550,12 +551,25 @@ void bwd_pull(const Tensor& row_src_rank, const Tensor& row_src_slot, const Tens
   const int* map = tight_rows(trow, dy.size(0), "bwd_pull");
   TORCH_CHECK(peer_g.size() == peer_p.size() && peer_g.size() == peer_dw.size(),
               "megatron_mok: peer lists differ in length");
+  TORCH_CHECK(q.has_value() == q_scale.has_value(), "megatron_mok: bwd_pull q and q_scale go together");
+  void* qp = nullptr;
+  float* sp = nullptr;
+  int64_t ld = 0;
+  if (q.has_value()) {  // dy quantized on the way (the fp8 dgrad)
+    check_cuda(*q, "q", at::kFloat8_e4m3fn);
+    TORCH_CHECK(!trow.has_value() && q->sizes() == dy.sizes() && dy.size(1) % 128 == 0,
+                "megatron_mok: bwd_pull q must be [capacity, H] (H a multiple of 128, padded rows)");
+    scale_strides(*q_scale, dy.size(0), dy.size(1) / 128, false, "bwd_pull");  // [H / 128, ld >= rows]
+    sp = q_scale->data_ptr<float>();
+    qp = q->data_ptr();
+    ld = q_scale->size(1);
+  }
   c10::cuda::CUDAGuard guard(dy.device());
   check(mok::launch_bwd_pull(row_src_rank.data_ptr<int>(), row_src_slot.data_ptr<int>(), expert_offsets.data_ptr<int>(),
                              static_cast<int>(expert_offsets.numel() - 1), static_cast<int>(row_src_rank.numel()),
                              peers(peer_g, "peer_g"), peers(peer_p, "peer_p"), peers(peer_dw, "peer_dw"),
                              y_routed.data_ptr(), dy.data_ptr(), static_cast<int>(dy.size(1)), static_cast<int>(topk),
-                             map, static_cast<int>(num_ctas), current_stream()));
+                             map, static_cast<int>(num_ctas), current_stream(), qp, sp, ld));
 }
 
 void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const std::optional<Tensor>& seg_offsets,
@@ -847,7 +861,8 @@ TORCH_LIBRARY(megatron_mok, m) {
       "Tensor(d!) errors, int[] peer_flags, int rank, float timeout_s) -> ()");
   m.def(
       "bwd_pull(Tensor row_src_rank, Tensor row_src_slot, Tensor expert_offsets, Tensor y_routed, Tensor(a!) dy, "
-      "int[] peer_g, int[] peer_p, int[] peer_dw, int topk, int num_ctas, Tensor? trow=None) -> ()");
+      "int[] peer_g, int[] peer_p, int[] peer_dw, int topk, int num_ctas, Tensor? trow=None, Tensor(b!)? q=None, "
+      "Tensor(c!)? q_scale=None) -> ()");
   m.def("bwd_tight_map(Tensor expert_counts, Tensor expert_offsets, Tensor(a!) toffs, Tensor(b!) trow, int align) -> ()");
   m.def("gather_rows(Tensor src, Tensor(a!) dst, Tensor trow, Tensor toffs, int num_ctas) -> ()");
   m.def("swiglu_backward(Tensor h, Tensor da, Tensor(a!) dh, Tensor? seg_offsets, Tensor? trow=None) -> ()");

@@ -225,15 +225,13 @@ def quantize_expert_weights(fc1, fc2, transposed: bool = False) -> fp8.FP8Expert
                                 fp8.E4M3Weight(*w1[2:], swiglu=False), fp8.E4M3Weight(*w2[2:], swiglu=False))
 
 
-def _routed_dgrads_fp8(w8, dy, h, offsets, counts, dh, dx_rows) -> None:
+def _routed_dgrads_fp8(w8, dyq, dys, h, offsets, counts, dh, dx_rows) -> None:
     """The routed dgrads on block-scaled e4m3 operands: dh = swiglu_backward(h, dy @ fc2[e]) from dy
-    quantized along H against fc2's transposed copy, then dx_rows = dh @ fc1[e] from dh quantized in
-    gate/up pair blocks against fc1's transposed copy (rows up to the last segment's end)."""
-    rows_end = offsets[-1:]
-    dyq, dys = ops.quantize_rows_e4m3(dy, rows_end)
+    in e4m3 along H (dyq, dys: quantized by the pull) against fc2's transposed copy, then
+    dx_rows = dh @ fc1[e] from dh quantized in gate/up pair blocks against fc1's transposed copy
+    (rows up to the last segment's end)."""
     ops.expert_gemm_fp8(dyq, dys, w8.fc2_t.q, w8.fc2_t.scale, offsets, counts, dh, False, h=h)
-    del dyq, dys
-    dhq, dhs = ops.quantize_rows_e4m3(dh, rows_end, gate_up_pairs=True)
+    dhq, dhs = ops.quantize_rows_e4m3(dh, offsets[-1:], gate_up_pairs=True)
     ops.expert_gemm_fp8(dhq, dhs, w8.fc1_t.q, w8.fc1_t.scale, offsets, counts, dx_rows, False)
 
 
@@ -722,8 +720,12 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
         trow = torch.empty((cap,), dtype=torch.int32, device=ws.device)
         ops.bwd_tight_map(counts, offsets, row_offs, trow)
     dy = torch.empty((cap, H), **bf16)
+    dyq = dys = None
+    if w8 is not None:  # the fp8 dgrad's operand, quantized by the pull on the way
+        dyq = torch.empty((cap, H), dtype=torch.float8_e4m3fn, device=ws.device)
+        dys = torch.empty((H // fp8.BLOCK, -(-cap // 4) * 4), dtype=torch.float32, device=ws.device)
     ops.bwd_pull(sched.row_src_rank, sched.row_src_slot, row_offs, ctx.y_routed, dy, g_ptrs, p_ptrs, dw_ptrs, k,
-                 comm_ctas, trow=trow)
+                 comm_ctas, trow=trow, q=dyq, q_scale=dys)
 
     # 3. the shared expert needs only g: with MOK_BWD_OVERLAP (default on) it runs on a side stream
     # launched after the pull, filling the SMs the NVLink-bound pull and the routed chain leave idle
@@ -752,8 +754,8 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
         dx_rows = torch._grouped_mm(dh, fc1, offs=row_offs[1:])  # [cap, H]
     elif w8 is not None:  # e4m3 operands, the weights' transposed copies (K-major)
         dx_rows = torch.empty((cap, H), **bf16)
-        _routed_dgrads_fp8(w8, dy, h, offsets, counts, dh, dx_rows)
-        del h
+        _routed_dgrads_fp8(w8, dyq, dys, h, offsets, counts, dh, dx_rows)
+        del h, dyq, dys
     else:  # expert-major GEMMs (weights MN-major); the SwiGLU backward in the first one's epilogue
         ops.expert_dgrad(dy, fc2, offsets, counts, dh, h=h)
         del h

@@ -242,12 +242,14 @@ def gather_rows(src, dst, trow, toffs, num_ctas: int = 0) -> None:
 
 
 def bwd_pull(row_src_rank, row_src_slot, expert_offsets, y_routed, dy, peer_g: list[int], peer_p: list[int],
-             peer_dw: list[int], topk: int, num_ctas: int = 0, trow=None) -> None:
+             peer_dw: list[int], topk: int, num_ctas: int = 0, trow=None, q=None, q_scale=None) -> None:
     """Routed row i: ``dy[i] = bf16(w * g)`` from the source rank's grad_out row and router weight;
     ``<g, y_routed[i]>`` (fp32, fixed order) -> slot ``row_src_slot[i]`` of the source's ``peer_dw``.
-    ``trow``: ``dy`` is tight (``expert_offsets`` = tight offsets), its row t is padded row ``trow[t]``."""
+    ``trow``: ``dy`` is tight (``expert_offsets`` = tight offsets), its row t is padded row ``trow[t]``.
+    ``q``/``q_scale`` (padded rows only): dy also in e4m3 with its scales ``[H / 128, ld]``, the bits
+    of ``quantize_rows_e4m3(dy)`` (the fp8 dgrad's operand, without a second pass over dy)."""
     _ops().bwd_pull(row_src_rank, row_src_slot, expert_offsets, y_routed, dy, peer_g, peer_p, peer_dw, topk,
-                    num_ctas, trow)
+                    num_ctas, trow, q, q_scale)
 
 
 def swiglu_backward(h, da, dh, seg_offsets=None, trow=None) -> None:

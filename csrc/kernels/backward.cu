@@ -107,17 +107,26 @@ __global__ void bwd_publish_kernel(const uint4* __restrict__ g, uint4* __restric
 
 // ---- pull (+ router-weight gradient push) ------------------------------------------------------
 
+// kQuant (the fp8 dgrad): dy also quantized on the way (pull_grad_row_e4m3), into q [rows, H] e4m3 and
+// scale [H / 128][scale_ld]; padded rows only (no trow).
+template <bool kQuant>
 __global__ void bwd_pull_kernel(const int* __restrict__ row_src_rank, const int* __restrict__ row_src_slot,
                                 const int* __restrict__ expert_offsets, int nle, int capacity, PeerPtrs g_bufs,
                                 PeerPtrs p_bufs, PeerPtrs dw_bufs, const __nv_bfloat16* __restrict__ y,
-                                __nv_bfloat16* __restrict__ dy, int H, int k, const int* __restrict__ trow) {
+                                __nv_bfloat16* __restrict__ dy, int H, int k, const int* __restrict__ trow,
+                                uint8_t* __restrict__ q, float* __restrict__ scale, int64_t scale_ld) {
   const int total = min(expert_offsets[nle], capacity);
   const int lane = threadIdx.x % 32;
   const int warps = gridDim.x * (blockDim.x / 32);
   for (int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; t < total; t += warps) {
-    const int row = trow ? trow[t] : t;  // padded row: schedule and y_routed index
-    pull_grad_row(row, dy + static_cast<int64_t>(t) * H, row_src_rank, row_src_slot, g_bufs, p_bufs, dw_bufs, y, H, k,
-                  lane);
+    if constexpr (kQuant) {
+      pull_grad_row_e4m3(t, dy + static_cast<int64_t>(t) * H, q + static_cast<int64_t>(t) * H, scale, scale_ld,
+                         row_src_rank, row_src_slot, g_bufs, p_bufs, dw_bufs, y, H, k, lane);
+    } else {
+      const int row = trow ? trow[t] : t;  // padded row: schedule and y_routed index
+      pull_grad_row(row, dy + static_cast<int64_t>(t) * H, row_src_rank, row_src_slot, g_bufs, p_bufs, dw_bufs, y, H,
+                    k, lane);
+    }
   }
 }
 
@@ -256,13 +265,18 @@ const char* launch_gather_rows(const void* src, void* dst, int64_t row_bytes, co
 const char* launch_bwd_pull(const int* row_src_rank, const int* row_src_slot, const int* expert_offsets, int nle,
                             int capacity, const PeerPtrs& g_bufs, const PeerPtrs& p_bufs, const PeerPtrs& dw_bufs,
                             const void* y_routed, void* dy, int H, int k, const int* trow, int num_ctas,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, void* q, float* scale, int64_t scale_ld) {
   if (H % 8) return "mok bwd_pull: H must be a multiple of 8";
   if (!aligned16(y_routed) || !aligned16(dy)) return "mok bwd_pull: y_routed / dy must be 16-byte aligned";
+  if (q != nullptr && (H % 128 || trow != nullptr || scale == nullptr || !aligned16(q)))
+    return "mok bwd_pull: quantizing dy needs H a multiple of 128, padded rows (no trow), scales and 16-byte "
+           "aligned q";
   if (num_ctas <= 0) num_ctas = 4 * num_sms();
-  bwd_pull_kernel<<<num_ctas, 256, 0, stream>>>(row_src_rank, row_src_slot, expert_offsets, nle, capacity, g_bufs,
-                                                 p_bufs, dw_bufs, static_cast<const __nv_bfloat16*>(y_routed),
-                                                 static_cast<__nv_bfloat16*>(dy), H, k, trow);
+  auto kernel = q != nullptr ? bwd_pull_kernel<true> : bwd_pull_kernel<false>;
+  kernel<<<num_ctas, 256, 0, stream>>>(row_src_rank, row_src_slot, expert_offsets, nle, capacity, g_bufs, p_bufs,
+                                       dw_bufs, static_cast<const __nv_bfloat16*>(y_routed),
+                                       static_cast<__nv_bfloat16*>(dy), H, k, trow, static_cast<uint8_t*>(q), scale,
+                                       scale_ld);
   return launch_status();
 }
 

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "e4m3.cuh"
 #include "expert_gemm_fp8.cuh"
 
 namespace mok {
@@ -54,16 +55,6 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
       });
 }
 
-constexpr float kE4m3Max = 448.f;
-constexpr float kMinAmax = 1e-4f;  // all-zero (padding) blocks get a finite scale
-
-__device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
-  uint16_t lo, hi;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b), "f"(a));
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(d), "f"(c));
-  return (uint32_t)lo | ((uint32_t)hi << 16);
-}
-
 // Where the scale of (row, 128-column block kb) lives: the GEMM's [kb][row] (row stride 1) or the
 // dispatch's [row][kb] rows (kb stride 1).
 struct ScaleLayout {
@@ -72,19 +63,6 @@ struct ScaleLayout {
 };
 
 constexpr int kItemsPerHalfWarp = 2;  // (row, block) items whose loads a half warp has in flight
-
-// The recipe's two per-block numbers: s = max(amax, kMinAmax) / 448 (stored, dequantizes) and
-// 448 / max(amax, kMinAmax) (quantizes: q = e4m3(x * that), one multiply an element), both IEEE
-// divisions as fp8.py computes them.
-__device__ __forceinline__ float2 scale_and_inverse(float amax) {
-  const float a = fmaxf(amax, kMinAmax);
-  return make_float2(__fdiv_rn(a, kE4m3Max), __fdiv_rn(kE4m3Max, a));
-}
-
-__device__ __forceinline__ uint2 e4m3x8(const float (&v)[8], float inv) {
-  return make_uint2(e4m3x4(v[0] * inv, v[1] * inv, v[2] * inv, v[3] * inv),
-                    e4m3x4(v[4] * inv, v[5] * inv, v[6] * inv, v[7] * inv));
-}
 
 // Half a warp per (row, 128-column block), 8 columns a lane (16-byte loads), the loads of
 // kItemsPerHalfWarp items issued first: q = e4m3(x * 448 / amax') (round to nearest even,
@@ -139,14 +117,10 @@ __global__ void __launch_bounds__(256) quantize_rows_e4m3_kernel(const __nv_bflo
     }
 #pragma unroll
     for (int u = 0; u < kItemsPerHalfWarp; ++u) {
-      float amax = 0.f;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[u][j]));
-#pragma unroll
-      for (int o = 8; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      const float amax = e4m3::half_warp_amax(v[u]);
       if (r[u] < 0) continue;
-      const float2 si = scale_and_inverse(amax);
-      *reinterpret_cast<uint2*>(q + q_off[u]) = e4m3x8(v[u], si.y);
+      const float2 si = e4m3::scale_and_inverse(amax);
+      *reinterpret_cast<uint2*>(q + q_off[u]) = e4m3::pack8(v[u], si.y);
       if (lane == 0) scale[sl.at(r[u], kb[u])] = si.x;
     }
   }
@@ -219,12 +193,12 @@ __global__ void __launch_bounds__(256) quantize_weight_e4m3_kernel(const __nv_bf
   amax = warp_max[0];
 #pragma unroll
   for (int i = 1; i < 8; ++i) amax = fmaxf(amax, warp_max[i]);
-  const float2 si = scale_and_inverse(amax);
+  const float2 si = e4m3::scale_and_inverse(amax);
   const float s = si.x;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     if (!live[j]) continue;
-    const uint2 out = e4m3x8(v[j], si.y);
+    const uint2 out = e4m3::pack8(v[j], si.y);
     *reinterpret_cast<uint2*>(q + off[j]) = out;
     if (q_t != nullptr) {  // the 16-byte units of row 8 chunk + e XOR-swizzled by chunk: 2-way bank conflicts, not 16
 #pragma unroll

@@ -155,10 +155,12 @@ const char* launch_bwd_publish(const void* g, void* g_dst, int64_t g_bytes, cons
 // dw_bufs[row_src_rank[i]][row_src_slot[i]]. Padding rows: dy = 0, nothing pushed.
 // trow (optional): dy is in the tight layout, expert_offsets are the tight offsets, and tight row t
 // does the work of padded row i = trow[t] (y_routed and the schedule stay padded; i < 0: dy = 0).
+// q (optional; padded rows, H a multiple of 128): dy also quantized for the fp8 dgrad, the bits of
+// launch_quantize_rows_e4m3 on dy: q [rows, H] e4m3, scale [H / 128][scale_ld].
 const char* launch_bwd_pull(const int* row_src_rank, const int* row_src_slot, const int* expert_offsets, int nle,
                             int capacity, const PeerPtrs& g_bufs, const PeerPtrs& p_bufs, const PeerPtrs& dw_bufs,
                             const void* y_routed, void* dy, int H, int k, const int* trow, int num_ctas,
-                            cudaStream_t stream);
+                            cudaStream_t stream, void* q = nullptr, float* scale = nullptr, int64_t scale_ld = 0);
 
 // The routed dgrad, expert-major: out[r] = dy[r] @ w[e] ([rows, K] x [K, M]) for the rows r of
 // segment e (real rows from seg_counts; a segment's other rows get zeros). With h ([rows', 2 M]

@@ -340,3 +340,33 @@ def test_fp8_forward_cuda_graph_and_backward(fp8_dgrad):
                                   dgrad_precision=cfg.dgrad_precision))
     check_close(got, ref)
     ws.check_errors(blocking=True)
+
+
+def test_fp8_pull_quantizes_dy_like_the_row_quantizer(monkeypatch):
+    """The fp8 dgrad's dy operand comes from the pull (quantized on the way): the same bytes and
+    scales as quantize_rows_e4m3 on the pulled dy, padding rows included."""
+    from megatron_mok import ops
+
+    shape = (300, 384, 256, 0, 16, 4)
+    cfg = MoKConfig(precision="fp8")
+    cfg, ws, top, inputs, _ = make_case(shape, "half_empty", 21, DEV, cfg)
+    kp = _kp()
+    sched = kp.build_schedule(cfg, ws, top)
+    _, ctx = kp.forward(cfg, ws, sched, *inputs)
+    seen = {}
+    pull = ops.bwd_pull
+
+    def spy(*args, **kwargs):
+        pull(*args, **kwargs)
+        if kwargs.get("q") is not None:
+            seen.update(dy=args[4].clone(), q=kwargs["q"].clone(), scale=kwargs["q_scale"].clone())
+
+    monkeypatch.setattr(ops, "bwd_pull", spy)
+    grad = torch.randn(shape[:2], generator=torch.Generator().manual_seed(2)).bfloat16().to(DEV)
+    functional.backward(cfg, ws, sched, ctx, grad, *inputs)
+    assert seen, "the fp8 backward did not quantize dy in the pull"
+    rows = int(sched.expert_offsets[-1])
+    q, scale = ops.quantize_rows_e4m3(seen["dy"][:rows].contiguous())
+    assert torch.equal(_u8(seen["q"][:rows]), _u8(q)), "pulled e4m3 bytes differ from the row quantizer's"
+    assert torch.equal(seen["scale"][:, :rows], scale[:, :rows]), "pulled scales differ from the row quantizer's"
+    ws.check_errors(blocking=True)

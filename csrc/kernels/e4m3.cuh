@@ -1,0 +1,44 @@
+// The block-scaled e4m3 recipe's device pieces (megatron_mok/fp8.py gives the same bits): per
+// block of 128 values, s = max(amax, kMinAmax) / 448 (stored; dequantizes) and
+// q = e4m3(x * (448 / max(amax, kMinAmax))) (round to nearest even, saturating).
+#pragma once
+
+#include "common.cuh"
+
+namespace mok {
+namespace e4m3 {
+
+constexpr float kMax = 448.f;
+constexpr float kMinAmax = 1e-4f;  // all-zero (padding) blocks get a finite scale
+
+__device__ __forceinline__ uint32_t pack4(float a, float b, float c, float d) {
+  uint16_t lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b), "f"(a));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(d), "f"(c));
+  return (uint32_t)lo | ((uint32_t)hi << 16);
+}
+
+// (s, 448 / a) of a block with absolute maximum amax; both IEEE divisions, as fp8.py computes them.
+__device__ __forceinline__ float2 scale_and_inverse(float amax) {
+  const float a = fmaxf(amax, kMinAmax);
+  return make_float2(__fdiv_rn(a, kMax), __fdiv_rn(kMax, a));
+}
+
+__device__ __forceinline__ uint2 pack8(const float (&v)[8], float inv) {
+  return make_uint2(pack4(v[0] * inv, v[1] * inv, v[2] * inv, v[3] * inv),
+                    pack4(v[4] * inv, v[5] * inv, v[6] * inv, v[7] * inv));
+}
+
+// amax of a 128-value block held 8 per lane by 16 consecutive lanes (a half warp). Every lane of
+// the warp must call it (the shuffles span the warp; the halves do not mix).
+__device__ __forceinline__ float half_warp_amax(const float (&v)[8]) {
+  float amax = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
+#pragma unroll
+  for (int o = 8; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  return amax;
+}
+
+}  // namespace e4m3
+}  // namespace mok
