@@ -161,30 +161,36 @@ constexpr int kTransposePitch = 144;  // bytes per row of the transposed tile (1
 // dgrads, the tile's rows in the order above as its columns 128 t .. 128 t + 127, with the same
 // scale at scale_t [nseg][K / 128][tiles].
 __global__ void __launch_bounds__(256) quantize_weight_e4m3_kernel(const __nv_bfloat16* __restrict__ w,
-                                                                   uint8_t* __restrict__ q, float* __restrict__ scale,
-                                                                   int rows, int n, int K, int tiles, bool swiglu,
-                                                                   uint8_t* __restrict__ q_t,
-                                                                   float* __restrict__ scale_t) {
+                                                                      uint8_t* __restrict__ q,
+                                                                      float* __restrict__ scale, int rows, int n,
+                                                                      int K, int tiles, bool swiglu,
+                                                                      uint8_t* __restrict__ q_t,
+                                                                      float* __restrict__ scale_t) {
   __shared__ float warp_max[8];
   __shared__ __align__(16) uint8_t tile_t[128 * kTransposePitch];  // [column][row] of the quantized tile
   const int nkb = K / 128;
   const int kb = blockIdx.x % nkb, tile = (blockIdx.x / nkb) % tiles, seg = blockIdx.x / nkb / tiles;
   const int chunk = threadIdx.x % 16, r0 = threadIdx.x / 16;
-  int64_t off[8];
-  bool live[8];
-  float v[8][8];
+  // the tile's row 16 j + r0: its offset in w and q (-1: past n, a zero row)
+  auto offset = [&](int j) -> int64_t {
+    const int rl = r0 + 16 * j;
+    const int half = swiglu ? rl / 64 : 0, idx = swiglu ? tile * 64 + rl % 64 : tile * 128 + rl;
+    return idx < n ? ((int64_t)seg * rows + half * n + idx) * K + kb * 128 + 8 * chunk : -1;
+  };
+  // the rows stay packed bf16 (32 registers, 3 CTAs an SM: more loads in flight than 64 fp32 would allow)
+  uint4 raw[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int64_t off = offset(j);
+    raw[j] = off >= 0 ? ld16(w + off) : make_uint4(0, 0, 0, 0);
+  }
   float amax = 0.f;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    const int rl = r0 + 16 * j;  // the tile's row 0..127
-    const int half = swiglu ? rl / 64 : 0, idx = swiglu ? tile * 64 + rl % 64 : tile * 128 + rl;
-    live[j] = idx < n;
-    off[j] = ((int64_t)seg * rows + half * n + idx) * K + kb * 128 + 8 * chunk;
-    if (live[j]) {
-      unpack8(ld16(w + off[j]), v[j]);
+    float v[8];
+    unpack8(raw[j], v);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[j][e]));
-    }
+    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[e]));
   }
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
@@ -197,9 +203,12 @@ __global__ void __launch_bounds__(256) quantize_weight_e4m3_kernel(const __nv_bf
   const float s = si.x;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    if (!live[j]) continue;
-    const uint2 out = e4m3::pack8(v[j], si.y);
-    *reinterpret_cast<uint2*>(q + off[j]) = out;
+    const int64_t off = offset(j);
+    if (off < 0) continue;
+    float v[8];
+    unpack8(raw[j], v);
+    const uint2 out = e4m3::pack8(v, si.y);
+    *reinterpret_cast<uint2*>(q + off) = out;
     if (q_t != nullptr) {  // the 16-byte units of row 8 chunk + e XOR-swizzled by chunk: 2-way bank conflicts, not 16
 #pragma unroll
       for (int e = 0; e < 8; ++e)
