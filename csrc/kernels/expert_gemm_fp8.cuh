@@ -123,19 +123,12 @@ MOK_XGEMM8_ATOM(112)
 MOK_XGEMM8_ATOM(128)
 #undef MOK_XGEMM8_ATOM
 
-// wgmma m64 nN k32 into d[kOff .. kOff + N / 2) (a fresh sum unless accumulate).
-template <int N, int kOff, size_t... Is>
+// wgmma m64 nN k32 into d[0 .. N / 2) (a fresh sum unless accumulate).
+template <int N, size_t... Is>
 __device__ __forceinline__ void wgmma_n(float (&d)[kMaxTok / 2], uint64_t da, uint64_t db, bool accumulate,
                                         std::index_sequence<Is...>) {
-  Atom<N>::type::fma(da, db, d[kOff + Is]...,
+  Atom<N>::type::fma(da, db, d[Is]...,
                      accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
-}
-
-// The compiler may not move reads of d[kLo .. kHi) above the wgmma wait that completes them.
-template <int kLo, int kHi>
-__device__ __forceinline__ void fence_range(float (&d)[kMaxTok / 2]) {
-#pragma unroll
-  for (int i = kLo; i < kHi; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 __device__ __forceinline__ float2 ld_shared_f2(uint32_t addr) {
@@ -144,14 +137,14 @@ __device__ __forceinline__ float2 ld_shared_f2(uint32_t addr) {
   return v;
 }
 
-// acc (tokens 8 g + 2 q + h of the layout in expert_gemm.cuh) += sum * wscale * xs[token] for the
-// tokens 8 g0 .. 8 g1 - 1, xs the stage's token scales in shared memory.
-template <int kG0, int kG1>
+// acc (tokens 8 g + 2 q + h of the layout in expert_gemm.cuh) += sum * wscale * xs[token], xs the
+// stage's token scales in shared memory.
+template <int N>
 __device__ __forceinline__ void promote(float (&acc)[128], float (&sum)[kMaxTok / 2], float wscale, uint32_t xs) {
-  fence_range<4 * kG0, 4 * kG1>(sum);
+  fence_regs(sum);
   const int q = (threadIdx.x % 32) % 4;
 #pragma unroll
-  for (int g = kG0; g < kG1; ++g) {
+  for (int g = 0; g < N / 8; ++g) {
     const float2 r = ld_shared_f2(xs + 4 * (8 * g + 2 * q));
     const float s0 = r.x * wscale, s1 = r.y * wscale;
     acc[4 * g] = fmaf(sum[4 * g], s0, acc[4 * g]);
@@ -161,30 +154,12 @@ __device__ __forceinline__ void promote(float (&acc)[128], float (&sum)[kMaxTok 
   }
 }
 
-// The block's four k32 steps of tokens kT0 .. kT0 + N - 1 into sum (their layout slots), committed
-// as one wgmma group.
-template <int N, int kT0>
-__device__ __forceinline__ void mma_block(const Smem& sm, int s, int cw, float (&sum)[kMaxTok / 2], int nk) {
-#pragma unroll
-  for (int kk = 0; kk < BK / 32; ++kk) {
-    const uint64_t da = wgmma_desc_sw128(sm.w(s) + cw * (WM / 2) * 128 + kk * 32);
-    const uint64_t db = wgmma_desc_sw128(sm.x(s) + kT0 * 128 + kk * 32);
-    // a runtime flag for the fresh start (kk == 0; nk >= 1 always): a constant one makes ptxas
-    // serialize the wgmmas (C7511)
-    wgmma_n<N, kT0 / 2>(sum, da, db, kk > 0 || nk < 0, std::make_index_sequence<N / 2>{});
-  }
-  wgmma_commit();
-}
-
 // Consumer warpgroup `cw`: weight rows 64 cw .. 64 cw + 63 of every stage against the task's N
 // token rows; ws: the task's weight scale row. Per stage: the block's four k32 steps summed
-// afresh, waited for, promoted; the stage is freed once its scales are read. Tasks of more than 64
-// tokens sum them as two wgmma groups (tokens 0-63, then the rest), so that the first half is
-// promoted while the tensor cores still run the second (the same registers as one group).
+// afresh, waited for, promoted; the stage is freed once its scales are read.
 template <int N>
 __device__ __forceinline__ void mma_task(const Params& p, const Smem& sm, int cw, float (&acc)[128], uint32_t& it,
                                          const float* ws) {
-  constexpr int kA = N > 64 ? 64 : N;
   const int nk = k_blocks(p.g.K);
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
@@ -194,17 +169,17 @@ __device__ __forceinline__ void mma_task(const Params& p, const Smem& sm, int cw
     const float wscale = __ldg(ws + kb);
     gemm::ring_wait<false>(sm.full(s), (it / kStages) & 1, nullptr);
     wgmma_fence();
-    mma_block<kA, 0>(sm, s, cw, sum, nk);
-    if constexpr (N > kA) {
-      mma_block<N - kA, kA>(sm, s, cw, sum, nk);
-      wgmma_wait<1>();
-      promote<0, kA / 8>(acc, sum, wscale, smem_u32(sm.scales(s)));
-      wgmma_wait<0>();
-      promote<kA / 8, N / 8>(acc, sum, wscale, smem_u32(sm.scales(s)));
-    } else {
-      wgmma_wait<0>();
-      promote<0, N / 8>(acc, sum, wscale, smem_u32(sm.scales(s)));
+#pragma unroll
+    for (int kk = 0; kk < BK / 32; ++kk) {
+      const uint64_t da = wgmma_desc_sw128(sm.w(s) + cw * (WM / 2) * 128 + kk * 32);
+      const uint64_t db = wgmma_desc_sw128(sm.x(s) + kk * 32);
+      // a runtime flag for the fresh start (kk == 0; nk >= 1 always): a constant one makes ptxas
+      // serialize the wgmmas (C7511)
+      wgmma_n<N>(sum, da, db, kk > 0 || nk < 0, std::make_index_sequence<N / 2>{});
     }
+    wgmma_commit();
+    wgmma_wait<0>();
+    promote<N>(acc, sum, wscale, smem_u32(sm.scales(s)));
     gemm::release_stage<false>(sm.empty(s));
   }
   fence_regs(acc);
