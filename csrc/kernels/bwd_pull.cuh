@@ -13,6 +13,22 @@
 
 namespace mok {
 
+// Where routed row `row` (of source rank src >= 0) pulls from: its router weight and grad_out row.
+struct PullSource {
+  int slot;
+  float w;
+  const uint4* g;
+};
+
+__device__ __forceinline__ PullSource pull_source(int row, int src, const int* __restrict__ row_src_slot,
+                                                  const PeerPtrs& g_bufs, const PeerPtrs& p_bufs, int H, int k) {
+  const int slot = row_src_slot[row];
+  const int token = slot / k;
+  return PullSource{slot, static_cast<const float*>(p_bufs.p[src])[slot],
+                    reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(g_bufs.p[src]) +
+                                                   static_cast<int64_t>(token) * H)};
+}
+
 // One 16-byte piece of a row: acc += <g, y> per element in order, returns bf16(w * g).
 __device__ __forceinline__ uint4 pull_piece(uint4 gv, uint4 yv, float w, float& acc) {
   float gf[8], yf[8], o[8];
@@ -38,11 +54,10 @@ __device__ __forceinline__ void pull_grad_row(int row, __nv_bfloat16* dy_row, co
     for (int c = lane; c < n16; c += 32) st16(dst + c, make_uint4(0, 0, 0, 0));
     return;
   }
-  const int slot = row_src_slot[row];
-  const int token = slot / k;
-  const float w = static_cast<const float*>(p_bufs.p[src])[slot];
-  const uint4* gs = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(g_bufs.p[src]) +
-                                                   static_cast<int64_t>(token) * H);
+  const PullSource ps = pull_source(row, src, row_src_slot, g_bufs, p_bufs, H, k);
+  const int slot = ps.slot;
+  const float w = ps.w;
+  const uint4* gs = ps.g;
   const uint4* ys = reinterpret_cast<const uint4*>(y + static_cast<int64_t>(row) * H);
   float acc = 0.f;
   int c = lane;
@@ -84,11 +99,10 @@ __device__ __forceinline__ void pull_grad_row_e4m3(int row, __nv_bfloat16* dy_ro
     }
     return;
   }
-  const int slot = row_src_slot[row];
-  const int token = slot / k;
-  const float w = static_cast<const float*>(p_bufs.p[src])[slot];
-  const uint4* gs = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(g_bufs.p[src]) +
-                                                   static_cast<int64_t>(token) * H);
+  const PullSource ps = pull_source(row, src, row_src_slot, g_bufs, p_bufs, H, k);
+  const int slot = ps.slot;
+  const float w = ps.w;
+  const uint4* gs = ps.g;
   const uint4* ys = reinterpret_cast<const uint4*>(y + static_cast<int64_t>(row) * H);
   float acc = 0.f;
   for (int base = 0; base < n16; base += 32 * kUnroll) {
