@@ -13,20 +13,32 @@
 
 namespace mok {
 
-// Where routed row `row` (of source rank src >= 0) pulls from: its router weight and grad_out row.
+// What routed row `row` (of source rank src >= 0) reads: its router weight, its grad_out row on the
+// source rank and its own expert output row y.
 struct PullSource {
   int slot;
   float w;
   const uint4* g;
+  const uint4* y;
 };
 
 __device__ __forceinline__ PullSource pull_source(int row, int src, const int* __restrict__ row_src_slot,
-                                                  const PeerPtrs& g_bufs, const PeerPtrs& p_bufs, int H, int k) {
+                                                  const PeerPtrs& g_bufs, const PeerPtrs& p_bufs,
+                                                  const __nv_bfloat16* __restrict__ y, int H, int k) {
   const int slot = row_src_slot[row];
   const int token = slot / k;
   return PullSource{slot, static_cast<const float*>(p_bufs.p[src])[slot],
                     reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(g_bufs.p[src]) +
-                                                   static_cast<int64_t>(token) * H)};
+                                                   static_cast<int64_t>(token) * H),
+                    reinterpret_cast<const uint4*>(y + static_cast<int64_t>(row) * H)};
+}
+
+// The warp's per-lane <g, y> sums, in a fixed butterfly order, into the source's slot.
+__device__ __forceinline__ void push_router_grad(float acc, const PullSource& ps, const PeerPtrs& dw_bufs, int src,
+                                                 int lane) {
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, off));
+  if (lane == 0) static_cast<float*>(dw_bufs.p[src])[ps.slot] = acc;
 }
 
 // One 16-byte piece of a row: acc += <g, y> per element in order, returns bf16(w * g).
@@ -54,27 +66,21 @@ __device__ __forceinline__ void pull_grad_row(int row, __nv_bfloat16* dy_row, co
     for (int c = lane; c < n16; c += 32) st16(dst + c, make_uint4(0, 0, 0, 0));
     return;
   }
-  const PullSource ps = pull_source(row, src, row_src_slot, g_bufs, p_bufs, H, k);
-  const int slot = ps.slot;
-  const float w = ps.w;
-  const uint4* gs = ps.g;
-  const uint4* ys = reinterpret_cast<const uint4*>(y + static_cast<int64_t>(row) * H);
+  const PullSource ps = pull_source(row, src, row_src_slot, g_bufs, p_bufs, y, H, k);
   float acc = 0.f;
   int c = lane;
   for (; c + 32 * (kUnroll - 1) < n16; c += 32 * kUnroll) {
     uint4 gv[kUnroll], yv[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      gv[u] = ld16(gs + c + 32 * u);
-      yv[u] = ld16(ys + c + 32 * u);
+      gv[u] = ld16(ps.g + c + 32 * u);
+      yv[u] = ld16(ps.y + c + 32 * u);
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) st16(dst + c + 32 * u, pull_piece(gv[u], yv[u], w, acc));
+    for (int u = 0; u < kUnroll; ++u) st16(dst + c + 32 * u, pull_piece(gv[u], yv[u], ps.w, acc));
   }
-  for (; c < n16; c += 32) st16(dst + c, pull_piece(ld16(gs + c), ld16(ys + c), w, acc));
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, off));
-  if (lane == 0) static_cast<float*>(dw_bufs.p[src])[slot] = acc;
+  for (; c < n16; c += 32) st16(dst + c, pull_piece(ld16(ps.g + c), ld16(ps.y + c), ps.w, acc));
+  push_router_grad(acc, ps, dw_bufs, src, lane);
 }
 
 // pull_grad_row (the same bits of dy and <g, y>) that also quantizes dy row `row` for the fp8
@@ -99,11 +105,7 @@ __device__ __forceinline__ void pull_grad_row_e4m3(int row, __nv_bfloat16* dy_ro
     }
     return;
   }
-  const PullSource ps = pull_source(row, src, row_src_slot, g_bufs, p_bufs, H, k);
-  const int slot = ps.slot;
-  const float w = ps.w;
-  const uint4* gs = ps.g;
-  const uint4* ys = reinterpret_cast<const uint4*>(y + static_cast<int64_t>(row) * H);
+  const PullSource ps = pull_source(row, src, row_src_slot, g_bufs, p_bufs, y, H, k);
   float acc = 0.f;
   for (int base = 0; base < n16; base += 32 * kUnroll) {
     uint4 gv[kUnroll], yv[kUnroll];
@@ -111,8 +113,8 @@ __device__ __forceinline__ void pull_grad_row_e4m3(int row, __nv_bfloat16* dy_ro
     for (int u = 0; u < kUnroll; ++u) {
       const int c = base + 32 * u + lane;
       if (c < n16) {
-        gv[u] = ld16(gs + c);
-        yv[u] = ld16(ys + c);
+        gv[u] = ld16(ps.g + c);
+        yv[u] = ld16(ps.y + c);
       }
     }
 #pragma unroll
@@ -122,7 +124,7 @@ __device__ __forceinline__ void pull_grad_row_e4m3(int row, __nv_bfloat16* dy_ro
       const bool live = c < n16;         // whole half warps (n16 is a multiple of 16)
       float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       if (live) {
-        const uint4 o = pull_piece(gv[u], yv[u], w, acc);
+        const uint4 o = pull_piece(gv[u], yv[u], ps.w, acc);
         st16(dst + c, o);
         unpack8(o, v);  // the bf16 values, as the standalone quantizer reads them
       }
@@ -133,9 +135,7 @@ __device__ __forceinline__ void pull_grad_row_e4m3(int row, __nv_bfloat16* dy_ro
       }
     }
   }
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, off));
-  if (lane == 0) static_cast<float*>(dw_bufs.p[src])[slot] = acc;
+  push_router_grad(acc, ps, dw_bufs, src, lane);
 }
 
 }  // namespace mok
