@@ -83,6 +83,7 @@ def test_fp8_flags_stop_mok_with_a_message(monkeypatch):
 def test_mok_precision_flag_selects_fp8(monkeypatch):
     from megatron.training.arguments import parse_args
 
+    from megatron_mok import MoKConfigError
     from megatron_mok.adapter.backends import add_mok_args, mok_config_from_args
 
     base = (CONFIGS / "deepseek-v3-tiny.args").read_text().split()
@@ -96,3 +97,6 @@ def test_mok_precision_flag_selects_fp8(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["pretrain", *base, "--moe-backend", "mok"])
     cfg = mok_config_from_args(parse_args(add_mok_args))
     assert cfg.precision == "bf16" and cfg.dgrad_precision == "bf16"
+    monkeypatch.setattr(sys, "argv", ["pretrain", *base, "--moe-backend", "mok", "--mok-bf16-dgrad"])
+    with pytest.raises(MoKConfigError, match="--mok-bf16-dgrad: .* only applies with --mok-precision fp8"):
+        mok_config_from_args(parse_args(add_mok_args))

@@ -86,6 +86,8 @@ def mok_config_from_args(args) -> MoKConfig:
     if getattr(args, "mok_recompute_gate_up", False):
         values["save_gate_up"] = False
     if getattr(args, "mok_bf16_dgrad", False):
+        if values.get("precision") != "fp8":
+            raise MoKConfigError("--mok-bf16-dgrad: the dgrads are bf16 already; it only applies with --mok-precision fp8")
         values["fp8_dgrad"] = False
     if getattr(args, "fp8", None):
         raise MoKConfigError(f"--fp8-format {args.fp8}: Megatron's fp8 recipe (TransformerEngine) does not "
