@@ -1,7 +1,8 @@
 """Tuning knobs of the mok MoE layer.
 
-Every knob except ``precision`` (and ``fp8_dgrad``) changes only *how* the layer is computed (SM split, pipelining
-granularity, buffer sizes), never a result bit. Invalid values raise ``MoKConfigError`` naming the field.
+Every knob except ``precision`` and ``fp8_dgrad`` changes only *how* the layer is computed (SM
+split, pipelining granularity, buffer sizes), never a result bit. Invalid values raise
+``MoKConfigError`` naming the field.
 """
 
 from __future__ import annotations

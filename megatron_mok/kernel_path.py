@@ -214,8 +214,9 @@ def _dispatch_fp8(cfg, ws, sched, x, comm_ctas, during_dispatch=None):
 
 
 def quantize_expert_weights(fc1, fc2, transposed: bool = False) -> fp8.FP8ExpertWeights:
-    """``fp8.quantize_expert_weights`` on the device (the same bits; DeepSeek-V3 EP=2: ~10.5 ms
-    against ~113 ms in PyTorch); transposed: the dgrads' copies from the same pass."""
+    """``fp8.quantize_expert_weights`` on the device (the same bits; DeepSeek-V3's 128 local experts:
+    4.3 ms, 6.1 ms with the transposed copies, ~113 ms in PyTorch); transposed: the dgrads' copies
+    from the same pass."""
     with torch.no_grad():
         w1 = ops.quantize_weight_e4m3(fc1.contiguous(), True, transposed)
         w2 = ops.quantize_weight_e4m3(fc2.contiguous(), False, transposed)
