@@ -259,33 +259,40 @@ const int* rows_end_ptr(const std::optional<Tensor>& rows_end, const char* op) {
   return rows_end->data_ptr<int>();
 }
 
-void quantize_rows_e4m3(const Tensor& x, Tensor& q, Tensor& scale, const std::optional<Tensor>& rows_end,
-                        bool scale_rows, bool gate_up_pairs) {
+// What both row (de)quantizers check: bf16 rows x and their e4m3 twin q of one shape [rows, K], K a
+// multiple of 128, the scales (scale_strides) and the optional row bound. `pair` names the two
+// operands in the op's order.
+struct RowBlocks {
+  int64_t K;
+  std::pair<int64_t, int64_t> strides;
+  const int* end;
+};
+
+RowBlocks row_blocks(const Tensor& x, const Tensor& q, const Tensor& scale, const std::optional<Tensor>& rows_end,
+                     bool scale_rows, const char* op, const char* pair) {
   check_cuda(x, "x", at::kBFloat16);
   check_cuda(q, "q", at::kFloat8_e4m3fn);
-  TORCH_CHECK(x.dim() == 2 && q.sizes() == x.sizes(), "megatron_mok: quantize_rows_e4m3 x and q must be [rows, K]");
+  MOK_CHECK(x.dim() == 2 && q.sizes() == x.sizes(), "megatron_mok: %s %s must be [rows, K]", op, pair);
   const int64_t K = x.size(1);
-  TORCH_CHECK(K % 128 == 0, "megatron_mok: quantize_rows_e4m3 K must be a multiple of 128");
-  const auto st = scale_strides(scale, x.size(0), K / 128, scale_rows, "quantize_rows_e4m3");
-  const int* end = rows_end_ptr(rows_end, "quantize_rows_e4m3");
+  MOK_CHECK(K % 128 == 0, "megatron_mok: %s K must be a multiple of 128", op);
+  return {K, scale_strides(scale, x.size(0), K / 128, scale_rows, op), rows_end_ptr(rows_end, op)};
+}
+
+void quantize_rows_e4m3(const Tensor& x, Tensor& q, Tensor& scale, const std::optional<Tensor>& rows_end,
+                        bool scale_rows, bool gate_up_pairs) {
+  const RowBlocks b = row_blocks(x, q, scale, rows_end, scale_rows, "quantize_rows_e4m3", "x and q");
   c10::cuda::CUDAGuard guard(x.device());
-  check(mok::launch_quantize_rows_e4m3(x.data_ptr(), x.size(0), static_cast<int>(K), q.data_ptr(),
-                                       scale.data_ptr<float>(), st.first, st.second, end, gate_up_pairs,
-                                       current_stream()));
+  check(mok::launch_quantize_rows_e4m3(x.data_ptr(), x.size(0), static_cast<int>(b.K), q.data_ptr(),
+                                       scale.data_ptr<float>(), b.strides.first, b.strides.second, b.end,
+                                       gate_up_pairs, current_stream()));
 }
 
 void dequantize_rows_e4m3(const Tensor& q, const Tensor& scale, Tensor& x, const std::optional<Tensor>& rows_end,
                           bool scale_rows) {
-  check_cuda(q, "q", at::kFloat8_e4m3fn);
-  check_cuda(x, "x", at::kBFloat16);
-  TORCH_CHECK(q.dim() == 2 && q.sizes() == x.sizes(), "megatron_mok: dequantize_rows_e4m3 q and x must be [rows, K]");
-  const int64_t K = q.size(1);
-  TORCH_CHECK(K % 128 == 0, "megatron_mok: dequantize_rows_e4m3 K must be a multiple of 128");
-  const auto st = scale_strides(scale, q.size(0), K / 128, scale_rows, "dequantize_rows_e4m3");
-  const int* end = rows_end_ptr(rows_end, "dequantize_rows_e4m3");
+  const RowBlocks b = row_blocks(x, q, scale, rows_end, scale_rows, "dequantize_rows_e4m3", "q and x");
   c10::cuda::CUDAGuard guard(q.device());
-  check(mok::launch_dequantize_rows_e4m3(q.data_ptr(), scale.data_ptr<float>(), st.first, st.second, x.data_ptr(),
-                                         q.size(0), static_cast<int>(K), end, current_stream()));
+  check(mok::launch_dequantize_rows_e4m3(q.data_ptr(), scale.data_ptr<float>(), b.strides.first, b.strides.second,
+                                         x.data_ptr(), q.size(0), static_cast<int>(b.K), b.end, current_stream()));
 }
 
 // q_t / scale_t (optional): the transposed copy [nseg, K, tiles * 128] with scale_t [nseg, K / 128, tiles].

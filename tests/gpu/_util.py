@@ -123,6 +123,24 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
+def gemm_bits_over_cta_counts(run, rows: int, N: int, swiglu: bool, cta_counts, device) -> tuple:
+    """run(out, pre_out, ctas) for every CTA count on NaN-poisoned bf16 outputs (out [rows, N], and
+    with swiglu pre_out [rows, 2 N], else None); every count must give the first one's bits.
+    Returns the first (out, pre_out)."""
+    first = None
+    for ctas in cta_counts:
+        out = torch.full((rows, N), float("nan"), dtype=torch.bfloat16, device=device)
+        h = torch.full((rows, 2 * N), float("nan"), dtype=torch.bfloat16, device=device) if swiglu else None
+        run(out, h, ctas)
+        if first is None:
+            first = (out, h)
+            continue
+        assert torch.equal(bits(out), bits(first[0])), f"bits depend on the CTA count ({ctas})"
+        if swiglu:
+            assert torch.equal(bits(h), bits(first[1])), f"pre_out bits depend on the CTA count ({ctas})"
+    return first
+
+
 def poison_buffers(ws, dtypes) -> None:
     """NaN-fill the kernel path's symmetric buffers of the given dtypes."""
     c = kernel_path_module()._COMMS.get(ws)

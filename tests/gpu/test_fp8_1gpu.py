@@ -12,7 +12,8 @@ from megatron_mok import MoKConfig, fp8, functional
 from megatron_mok.schedule import build_schedule_reference
 
 from ._bwd import assert_bitwise, check_close, grads_list
-from ._util import bits, eager_before_capture, gpu_marks, make_case, poison_internal, rel_err
+from ._util import (bits, eager_before_capture, gemm_bits_over_cta_counts, gpu_marks, make_case, poison_internal,
+                    rel_err)
 from ._util import kernel_path_module as _kp
 
 pytestmark = gpu_marks()
@@ -129,17 +130,10 @@ def test_expert_gemm_fp8_matches_dequantized_products(swiglu, K, N, counts, posi
     xq, xs = ops.quantize_rows_e4m3(a.to(DEV))
     seg = torch.tensor(offs, dtype=torch.int32, device=DEV)
     cnt = torch.tensor(counts, dtype=torch.int32, device=DEV)
-    first = None
-    for ctas in (0, 1, 5, 77):
-        out = torch.full((cap, N), float("nan"), dtype=torch.bfloat16, device=DEV)
-        h = torch.full((cap, 2 * N), float("nan"), dtype=torch.bfloat16, device=DEV) if swiglu else None
-        ops.expert_gemm_fp8(xq, xs, qw.q, qw.scale, seg, cnt, out, swiglu, pre_out=h, num_ctas=ctas)
-        if first is None:
-            first = (out, h)
-            continue
-        assert torch.equal(bits(out), bits(first[0])), f"bits depend on the CTA count ({ctas})"
-        if swiglu:
-            assert torch.equal(bits(h), bits(first[1])), f"pre_out bits depend on the CTA count ({ctas})"
+    first = gemm_bits_over_cta_counts(
+        lambda out, h, ctas: ops.expert_gemm_fp8(xq, xs, qw.q, qw.scale, seg, cnt, out, swiglu, pre_out=h,
+                                                 num_ctas=ctas),
+        cap, N, swiglu, (0, 1, 5, 77), DEV)
     # the bf16 expert GEMM on the unquantized operands: its error against fp64 is the bar for the accumulation
     out_bf16 = torch.full((cap, N), float("nan"), dtype=torch.bfloat16, device=DEV)
     h_bf16 = torch.full((cap, 2 * N), float("nan"), dtype=torch.bfloat16, device=DEV) if swiglu else None

@@ -8,8 +8,9 @@ import torch
 from megatron_mok import MoKCapacityError, MoKConfig, MoKInputError, create_workspace
 from megatron_mok.schedule import build_schedule_reference
 
-from ._util import (SHAPES, bits, check_forward_bitwise_repeats, check_forward_graph_equals_eager, gpu_marks,
-                    make_case, make_routing, poison_internal, reference_out, rel_err, schedules_equal)
+from ._util import (SHAPES, bits, check_forward_bitwise_repeats, check_forward_graph_equals_eager,
+                    gemm_bits_over_cta_counts, gpu_marks, make_case, make_routing, poison_internal, reference_out,
+                    rel_err, schedules_equal)
 from ._util import kernel_path_module as _kp
 
 pytestmark = gpu_marks()
@@ -98,18 +99,9 @@ def test_expert_gemm_matches_matmul(swiglu, K, N, monkeypatch):
     counts = [130, 0, 1, 255, 256, 257, 700, 17, 48, 200, 15]
     a, b, seg, cnt, offs = _expert_case(K, N, swiglu, counts, K * 5 + N)
     cap = a.shape[0]
-    first = None
-    for ctas in (0, 1, 3, 37):
-        out = torch.full((cap, N), float("nan"), dtype=torch.bfloat16, device=DEV)
-        h = torch.full((cap, 2 * N), float("nan"), dtype=torch.bfloat16, device=DEV) if swiglu else None
-        ops.grouped_gemm(a, b, seg, out, swiglu, ctas, cnt, pre_out=h)
-        if first is None:
-            first = (out, h)
-            continue
-        assert torch.equal(bits(out), bits(first[0])), f"bits depend on the CTA count ({ctas})"
-        if swiglu:
-            assert torch.equal(bits(h), bits(first[1])), f"pre_out bits depend on the CTA count ({ctas})"
-    out, h = first
+    out, h = gemm_bits_over_cta_counts(
+        lambda out, h, ctas: ops.grouped_gemm(a, b, seg, out, swiglu, ctas, cnt, pre_out=h),
+        cap, N, swiglu, (0, 1, 3, 37), DEV)
     torch.cuda.synchronize()
     for e, n in enumerate(counts):
         lo, end = offs[e], offs[e + 1]
