@@ -394,9 +394,10 @@ void megakernel(const Tensor& x, const Tensor& fc1, const Tensor& fc2, const std
                 const std::optional<Tensor>& shared_h, Tensor& shared_y, Tensor& counters, Tensor& state,
                 Tensor& errors, std::vector<int64_t> peer_x, std::vector<int64_t> peer_comb,
                 std::vector<int64_t> peer_flags, int64_t rank, int64_t topk, int64_t num_comm, int64_t num_compute,
-                int64_t minibatch_rows, double timeout_s) {
+                int64_t minibatch_rows, double timeout_s, std::vector<Tensor> fp8, std::vector<int64_t> peer_xs,
+                int64_t xs_pitch) {
   for (auto* t : {&x, &fc1, &fc2}) check_cuda(*t, "megakernel input", at::kBFloat16);
-  for (auto* t : {&x_routed, &act, &y_routed}) check_cuda(*t, "megakernel output", at::kBFloat16);
+  for (auto* t : {&act, &y_routed}) check_cuda(*t, "megakernel output", at::kBFloat16);
   for (auto* t : {&row_src_rank, &row_src_slot, &expert_counts, &expert_offsets}) check_cuda(*t, "schedule tensor", at::kInt);
   for (auto* t : {&counters, &state, &errors}) check_cuda(*t, "megakernel state", at::kInt);
   TORCH_CHECK(x.dim() == 2 && fc1.dim() == 3 && fc2.dim() == 3, "megatron_mok: x [T, H], fc1 [nle, 2I, H], fc2 [nle, H, I]");
@@ -405,14 +406,37 @@ void megakernel(const Tensor& x, const Tensor& fc1, const Tensor& fc2, const std
               "megatron_mok: megakernel weight shapes");
   TORCH_CHECK(row_src_slot.numel() == cap && expert_counts.numel() == nle && expert_offsets.numel() == nle + 1,
               "megatron_mok: megakernel schedule shapes");
-  TORCH_CHECK(x_routed.dim() == 2 && x_routed.size(0) == cap && x_routed.size(1) == H, "megatron_mok: x_routed [cap, H]");
+  if (fp8.empty()) {
+    check_cuda(x_routed, "x_routed", at::kBFloat16);
+    TORCH_CHECK(x_routed.dim() == 2 && x_routed.size(0) == cap && x_routed.size(1) == H,
+                "megatron_mok: x_routed [cap, H]");
+  } else {
+    TORCH_CHECK(fp8.size() == 9,
+                "megatron_mok: megakernel fp8 takes [fc1_q, fc1_scale, fc2_q, fc2_scale, x8_routed, x8_scale, act8, "
+                "act8_scale, shared_seg], got ", fp8.size(), " tensors");
+    TORCH_CHECK(H % 128 == 0 && I % 128 == 0, "megatron_mok: the fp8 megakernel needs H and I multiples of 128, got ",
+                H, ", ", I);
+    const char* names[8] = {"fc1_q", "fc1_scale", "fc2_q", "fc2_scale", "x8_routed", "x8_scale", "act8", "act8_scale"};
+    const std::vector<int64_t> shapes[8] = {{nle, 2 * I, H}, {nle, I / 64, H / 128}, {nle, H, I}, {nle, H / 128, I / 128},
+                                            {cap, H},        {H / 128, cap},         {cap, I},    {I / 128, cap}};
+    for (int i = 0; i < 8; ++i) {
+      check_cuda(fp8[i], names[i], i % 2 == 0 ? at::kFloat8_e4m3fn : at::kFloat);
+      TORCH_CHECK(fp8[i].sizes().vec() == shapes[i], "megatron_mok: megakernel ", names[i], " has shape ",
+                  fp8[i].sizes(), ", expected ", at::IntArrayRef(shapes[i]));
+    }
+    check_cuda(fp8[8], "shared_seg", at::kInt);
+    TORCH_CHECK(fp8[8].numel() == 3, "megatron_mok: shared_seg holds [0, T, T]");
+    TORCH_CHECK(peer_xs.size() == peer_x.size(), "megatron_mok: peer_xs and peer_x differ in length");
+    TORCH_CHECK(xs_pitch >= H / 128, "megatron_mok: xs_pitch ", xs_pitch, " is below H / 128 = ", H / 128);
+  }
   TORCH_CHECK(act.dim() == 2 && act.size(0) == cap && act.size(1) == I, "megatron_mok: act [cap, I]");
   TORCH_CHECK(y_routed.dim() == 2 && y_routed.size(0) == cap && y_routed.size(1) == H, "megatron_mok: y_routed [cap, H]");
   if (h.has_value()) {
     check_cuda(*h, "h", at::kBFloat16);
     TORCH_CHECK(h->dim() == 2 && h->size(0) == cap && h->size(1) == 2 * I, "megatron_mok: h [cap, 2I]");
   }
-  TORCH_CHECK(counters.numel() >= mok::megakernel_counter_ints(static_cast<int>(cap), static_cast<int>(T)),
+  TORCH_CHECK(counters.numel() >= mok::megakernel_counter_ints(static_cast<int>(cap), static_cast<int>(T),
+                                                               fp8.empty() ? 0 : static_cast<int>(I / 128)),
               "megatron_mok: megakernel counters too small");
   TORCH_CHECK(shared_fc1.has_value() == shared_fc2.has_value(), "megatron_mok: shared_fc1 / shared_fc2 go together");
   int64_t Is = 0;
@@ -446,7 +470,7 @@ void megakernel(const Tensor& x, const Tensor& fc1, const Tensor& fc2, const std
   a.row_src_slot = row_src_slot.data_ptr<int>();
   a.expert_counts = expert_counts.data_ptr<int>();
   a.expert_offsets = expert_offsets.data_ptr<int>();
-  a.x_routed = x_routed.data_ptr();
+  a.x_routed = fp8.empty() ? x_routed.data_ptr() : nullptr;
   a.act = act.data_ptr();
   a.h = h.has_value() ? h->data_ptr() : nullptr;
   a.y_routed = y_routed.data_ptr();
@@ -472,6 +496,19 @@ void megakernel(const Tensor& x, const Tensor& fc1, const Tensor& fc2, const std
   a.num_compute = static_cast<int>(num_compute);
   a.minibatch_rows = static_cast<int>(minibatch_rows);
   a.timeout_ns = timeout_ns_of(timeout_s);
+  if (!fp8.empty()) {
+    a.fc1_q = fp8[0].data_ptr();
+    a.fc1_scale = fp8[1].data_ptr<float>();
+    a.fc2_q = fp8[2].data_ptr();
+    a.fc2_scale = fp8[3].data_ptr<float>();
+    a.x8_routed = fp8[4].data_ptr();
+    a.x8_scale = fp8[5].data_ptr<float>();
+    a.act8 = fp8[6].data_ptr();
+    a.act8_scale = fp8[7].data_ptr<float>();
+    a.xs_bufs = peers(peer_xs, "peer_xs");
+    a.xs_pitch = static_cast<int>(xs_pitch);
+    a.shared_seg = fp8[8].data_ptr<int>();
+  }
   c10::cuda::CUDAGuard guard(x.device());
   check(mok::launch_megakernel(a, current_stream()));
 }
@@ -861,7 +898,7 @@ TORCH_LIBRARY(megatron_mok, m) {
       "Tensor row_src_slot, Tensor expert_counts, Tensor expert_offsets, Tensor(a!) x_routed, Tensor(b!) act, "
       "Tensor(i!)? h, Tensor(c!) y_routed, Tensor(d!) shared_act, Tensor(j!)? shared_h, Tensor(e!) shared_y, "
       "Tensor(f!) counters, Tensor(g!) state, Tensor(h!) errors, int[] peer_x, int[] peer_comb, int[] peer_flags, int rank, int topk, int num_comm, "
-      "int num_compute, int minibatch_rows, float timeout_s) -> ()");
+      "int num_compute, int minibatch_rows, float timeout_s, Tensor(k!)[] fp8, int[] peer_xs, int xs_pitch) -> ()");
   m.def("megakernel_timeline(Tensor(a!) records, bool enable) -> ()");
   m.def(
       "bwd_publish(Tensor grad_out, Tensor(a!) g_dst, Tensor probs, Tensor(b!) p_dst, Tensor(c!) state, "

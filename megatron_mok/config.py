@@ -30,11 +30,12 @@ class MoKConfig:
         (1-132); the staged backward (MOK_BWD_KERNEL=staged) gives its pull, push and row-gather
         kernels 4 CTAs per such SM, and the shared expert's side stream the rest.
     minibatch_rows: routed rows per compute/communication overlap step (multiple of ROW_ALIGN); the
-        megakernel overlaps in minibatch_rows / 256 token chunks of up to 256 rows (at least one).
+        megakernel overlaps in minibatch_rows / 256 token chunks of up to 256 rows (fp8:
+        minibatch_rows / 128 chunks of up to 128 rows; at least one).
     capacity_factor: fraction of the worst case (every token of every rank routed here) that the
         routed-row buffer holds; 1.0 can never overflow. Overflow raises, it never drops tokens.
     precision: "bf16", or "fp8": the routed experts' forward GEMMs on block-scaled e4m3 operands
-        (megatron_mok/fp8.py; the staged forward launches; shared expert, weight gradients and
+        (megatron_mok/fp8.py; either forward path, same bits; shared expert, weight gradients and
         outputs stay bf16). Unlike the other knobs it changes results (within the e4m3
         quantization).
     fp8_dgrad: with precision "fp8", also the backward's routed dgrads (dy against fc2, dh against

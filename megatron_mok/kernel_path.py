@@ -25,6 +25,12 @@ Forward, per rank, two implementations with the same bits (``path=`` or ``MOK_FO
 * ``"staged"`` (stage 2), one launch per step: copy x, barrier, dispatch, 4 grouped GEMMs,
   combine, barrier, epilogue.
 
+fp8 (``MoKConfig.precision``), either path: x is quantized into symmetric e4m3 rows and scale
+rows (then a barrier), the dispatch moves those, and the routed GEMMs run block-scaled e4m3; the
+megakernel quantizes the SwiGLU output per 128-column block as its gate/up tasks finish, the
+staged path in a launch of its own. The default for fp8 is the staged path (faster at 8 of 10
+measured shapes).
+
 Device barriers are epoch counters in a symmetric int32 buffer of this module (not torch's
 signal pad); a peer that does not arrive within ``MoKConfig.peer_timeout_s`` sets
 ``ws.errors[PEER_TIMEOUT] = 1 + peer`` and the kernels go on instead of hanging (results are then
@@ -52,8 +58,18 @@ from .workspace import MoKWorkspace
 
 STATE_INTS = 16  # csrc/kernels/launch.h: StateSlot
 FORWARD_PATHS = ("mega", "staged")
-# Default forward implementation; MOK_FORWARD=staged selects the stage-2 launches (same bits).
-FORWARD_PATH = os.environ.get("MOK_FORWARD", "mega")
+# Default forward implementation (MOK_FORWARD=mega or staged; the same bits either way). Unset: the
+# megakernel for bf16, the staged launches for fp8, the faster path of each (docs/KERNELS.md, ninth
+# session: the fp8 megakernel measured 1-13% slower at 8 of 10 shapes).
+FORWARD_PATH = os.environ.get("MOK_FORWARD") or None
+
+
+def forward_path(path: str | None, precision: str = "bf16") -> str:
+    """The forward path a call runs: ``path``, else ``FORWARD_PATH``, else the precision's default."""
+    path = path or FORWARD_PATH or ("staged" if precision == "fp8" else "mega")
+    if path not in FORWARD_PATHS:
+        raise ValueError(f"megatron_mok: forward path must be one of {FORWARD_PATHS}, got {path!r}")
+    return path
 # Waits inside the megakernel depend on no peer: they give up after at most this long (a bug, not
 # a slow peer), so a stall ends the kernel with an error instead of hanging the GPU.
 MEGA_WATCHDOG_S = 10.0
@@ -190,12 +206,11 @@ def build_schedule(cfg: MoKConfig, ws: MoKWorkspace, top_experts: torch.Tensor) 
 # ---- forward ------------------------------------------------------------------------------------
 
 
-def _dispatch_fp8(cfg, ws, sched, x, comm_ctas, during_dispatch=None):
-    """Quantize this rank's rows into symmetric buffers (one scale per row and 128 columns), barrier,
-    then pull the e4m3 rows and their scale rows: half the bytes of the bf16 dispatch, and T rows to
-    quantize instead of the routed ones. Returns (x_e4m3 [cap, H], x_scale [cap, pitch] fp32)."""
+def _publish_fp8(cfg, ws, x):
+    """Quantize this rank's rows into symmetric buffers (one scale per row and 128 columns), then a
+    barrier. Returns (peer e4m3 rows, peer scale rows, scale pitch in floats)."""
     c = _comm(ws)
-    T, H, k, cap = ws.num_tokens, ws.hidden, ws.topk, sched.capacity
+    T, H = ws.num_tokens, ws.hidden
     pitch = -(-(H // fp8.BLOCK) // 4) * 4  # whole 16-byte row pieces for the row copies
     # the row copies move bf16 pairs: e4m3 bytes and fp32 scales ride as bf16-typed rows
     q_sym, q_ptrs = c.buffer("x_e4m3", (T, H // 2), torch.bfloat16)
@@ -203,6 +218,15 @@ def _dispatch_fp8(cfg, ws, sched, x, comm_ctas, during_dispatch=None):
     ops.quantize_rows_e4m3_into(x.contiguous(), q_sym.view(torch.float8_e4m3fn), s_sym.view(torch.float32),
                                 scale_rows=True)
     ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
+    return q_ptrs, s_ptrs, pitch
+
+
+def _dispatch_fp8(cfg, ws, sched, x, comm_ctas, during_dispatch=None):
+    """Quantized rows published (``_publish_fp8``), then pull the e4m3 rows and their scale rows:
+    half the bytes of the bf16 dispatch, and T rows to quantize instead of the routed ones. Returns
+    (x_e4m3 [cap, H], x_scale [cap, pitch] fp32)."""
+    H, k, cap = ws.hidden, ws.topk, sched.capacity
+    q_ptrs, s_ptrs, pitch = _publish_fp8(cfg, ws, x)
     started = _mark(during_dispatch)
     q_routed = torch.empty((cap, H // 2), dtype=torch.bfloat16, device=ws.device)
     s_routed = torch.empty((cap, 2 * pitch), dtype=torch.bfloat16, device=ws.device)
@@ -263,7 +287,9 @@ def routed_rows(ctx: KernelContext, sched: MoKSchedule) -> torch.Tensor:
     if ctx.x_routed is not None:
         return ctx.x_routed
     x = torch.empty(ctx.x_e4m3.shape, dtype=torch.bfloat16, device=ctx.x_e4m3.device)
-    ops.dequantize_rows_e4m3(ctx.x_e4m3, ctx.x_scale, x, sched.expert_offsets[-1:], scale_rows=True)
+    by_rows = ctx.x_scale.stride(1) == 1  # the staged dispatch's scale rows, or the megakernel's columns
+    ops.dequantize_rows_e4m3(ctx.x_e4m3, ctx.x_scale if by_rows else ctx.x_scale.t(), x,
+                             sched.expert_offsets[-1:], scale_rows=by_rows)
     return x
 
 
@@ -324,20 +350,31 @@ def _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1, *, keep_gate_
     return KernelContext(x_routed, act, y_routed, shared_act, h, shared_h)
 
 
-def _forward_mega(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, out, gemm_ctas, comm_ctas):
+def _forward_mega(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, out, gemm_ctas, comm_ctas,
+                  fp8_weights=None):
     c = _comm(ws)
     T, H, k, cap = ws.num_tokens, ws.hidden, ws.topk, sched.capacity
     I = fc1.shape[1] // 2
     bf16 = dict(dtype=torch.bfloat16, device=ws.device)
-    xs, x_ptrs = c.buffer("x", (T, H), torch.bfloat16)
     comb, comb_ptrs = c.buffer("comb", (T * k, H), torch.bfloat16)
     x = x.contiguous()
     if x.data_ptr() % 16:
         x = x.clone()
-    ops.publish_barrier(x, xs, c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s, probs.contiguous())
-    x_routed = torch.empty((cap, H), **bf16)
+    quant = None
+    if cfg.precision == "fp8":  # e4m3 rows published; the kernel pulls and quantizes the rest
+        w8 = fp8_weights or quantize_expert_weights(fc1, fc2)
+        x_ptrs, s_ptrs, pitch = _publish_fp8(cfg, ws, x)
+        e4m3, f32 = dict(dtype=torch.float8_e4m3fn, device=ws.device), dict(dtype=torch.float32, device=ws.device)
+        quant = ops.MegaFP8(w8.fc1.q, w8.fc1.scale, w8.fc2.q, w8.fc2.scale, torch.empty((cap, H), **e4m3),
+                            torch.empty((H // fp8.BLOCK, cap), **f32), torch.empty((cap, I), **e4m3),
+                            torch.empty((I // fp8.BLOCK, cap), **f32), s_ptrs, pitch, c.shared_seg)
+        x_routed = torch.empty((0,), **bf16)
+    else:
+        xs, x_ptrs = c.buffer("x", (T, H), torch.bfloat16)
+        ops.publish_barrier(x, xs, c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s, probs.contiguous())
+        x_routed = torch.empty((cap, H), **bf16)
     act = torch.empty((cap, I), **bf16)
-    h = torch.empty((cap, 2 * I), **bf16) if cfg.save_gate_up else None
+    h = torch.empty((cap, 2 * I), **bf16) if cfg.save_gate_up or quant is not None else None
     y_routed = torch.empty((cap, H), **bf16)
     shared_h = None
     if shared_fc1 is not None:
@@ -347,18 +384,21 @@ def _forward_mega(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, ou
         shared_y = torch.empty((T, H), **bf16)
     else:
         shared_act = shared_y = torch.empty((0,), **bf16)
-    counters = c.counters(ops.megakernel_counter_ints(cap, T))
+    counters = c.counters(ops.megakernel_counter_ints(cap, T, I // fp8.BLOCK if quant is not None else 0))
     ops.megakernel(x, fc1.contiguous(), fc2.contiguous(), shared_fc1, shared_fc2, sched.row_src_rank,
                    sched.row_src_slot, sched.expert_counts, sched.expert_offsets, x_routed, act, h, y_routed,
                    shared_act, shared_h, shared_y, counters, c.state, ws.errors, x_ptrs, comb_ptrs, c.flag_ptrs,
                    ws.rank, k,
                    comm_ctas if comm_ctas > 0 else cfg.fwd_comm_sms, gemm_ctas, cfg.minibatch_rows,
-                   min(cfg.peer_timeout_s, MEGA_WATCHDOG_S))
+                   min(cfg.peer_timeout_s, MEGA_WATCHDOG_S), quant)
     if out is None:
         out = torch.empty((T, H), **bf16)
     ops.moe_epilogue_wait(comb, probs.contiguous(), shared_y if shared_fc1 is not None else None, out, c.state,
                           ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
-    return out, KernelContext(x_routed, act, y_routed, shared_act if shared_fc1 is not None else None, h, shared_h)
+    shared_act = shared_act if shared_fc1 is not None else None
+    if quant is not None:  # the e4m3 rows and their scales [cap, H / 128] (a transposed view)
+        return out, KernelContext(None, act, y_routed, shared_act, h, shared_h, quant.x8, quant.x8_scale.t())
+    return out, KernelContext(x_routed, act, y_routed, shared_act, h, shared_h)
 
 
 def checks_probs_on_device(ws: MoKWorkspace, x, fc1, shared_fc1=None, path: str | None = None,
@@ -366,7 +406,7 @@ def checks_probs_on_device(ws: MoKWorkspace, x, fc1, shared_fc1=None, path: str 
     """True when ``forward`` with these arguments flags non-finite ``probs`` itself (the mega path,
     inside ``publish_barrier``); the staged (also every fp8) and reference paths leave that to the
     caller (``functional.flag_nonfinite_probs``)."""
-    return ((path or FORWARD_PATH) == "mega" and precision != "fp8"
+    return (forward_path(path, precision) == "mega" and precision != "fp8"
             and _unsupported_reason(ws, x, fc1, shared_fc1) is None)
 
 
@@ -376,23 +416,23 @@ def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1,
     """One layer forward on the device. Returns ``(out [T, H] bf16, KernelContext)``.
 
     ``out``: optional preallocated output (tests poison it). ``path``: ``"mega"`` or ``"staged"``
-    (default ``FORWARD_PATH``, from ``MOK_FORWARD``); every rank of the group must use the same.
+    (default ``forward_path``: ``MOK_FORWARD``, else mega for bf16 and staged for fp8); every rank
+    of the group must use the same.
     ``gemm_ctas`` / ``comm_ctas``: staged: CTA counts of the GEMMs and of dispatch/combine;
     mega: CTAs besides the dispatching ones, and dispatching CTAs (default
     ``cfg.fwd_comm_sms``); 0: derived from the SM count. No knob changes a result bit.
     ``cfg.precision == "fp8"``: the routed GEMMs run block-scaled e4m3 (``fp8_weights`` from
-    ``fp8.quantize_expert_weights``, else quantized in this call) on the staged launches (the
-    megakernel runs bf16 only); the shared expert, the context and the output stay bf16.
+    ``fp8.quantize_expert_weights``, else quantized in this call), on either path with the same
+    bits; the shared expert, the context and the output stay bf16.
     """
-    path = path or FORWARD_PATH
-    if path not in FORWARD_PATHS:
-        raise ValueError(f"megatron_mok: forward path must be one of {FORWARD_PATHS}, got {path!r}")
+    path = forward_path(path, cfg.precision)
     reason = _unsupported_reason(ws, x, fc1, shared_fc1)
     if reason is not None:
         _fallback(reason)
         return reference.forward(ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, cfg.precision)
-    if path == "mega" and cfg.precision != "fp8":
-        return _forward_mega(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, out, gemm_ctas, comm_ctas)
+    if path == "mega":
+        return _forward_mega(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, out, gemm_ctas, comm_ctas,
+                             fp8_weights)
     c = _comm(ws)
     T, H, k = ws.num_tokens, ws.hidden, ws.topk
     comb, comb_ptrs = c.buffer("comb", (T * k, H), torch.bfloat16)

@@ -12,6 +12,7 @@ impls are no-ops and torch.compile can trace calls.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -78,9 +79,10 @@ def schedule_scratch_ints(ep: int, num_tokens: int, nle: int, num_experts: int) 
     return nle * ep * math.ceil(num_tokens / SCHEDULE_CHUNK) + num_experts
 
 
-def megakernel_counter_ints(capacity: int, num_tokens: int) -> int:
-    """int32 counters of the forward megakernel, and of the backward one (the same layout size)."""
-    return MEGA_COUNTER_HEADER + 2 * (capacity // ROW_TILE) + math.ceil(num_tokens / ROW_TILE)
+def megakernel_counter_ints(capacity: int, num_tokens: int, act_blocks: int = 0) -> int:
+    """int32 counters of the forward megakernel, and of the backward one (the same layout size);
+    act_blocks: I / 128 for the fp8 forward (a counter per 128-row block and act block)."""
+    return MEGA_COUNTER_HEADER + (2 + act_blocks) * (capacity // ROW_TILE) + math.ceil(num_tokens / ROW_TILE)
 
 
 def publish_barrier(src, dst, state, errors, peer_flags: list[int], rank: int, timeout_s: float,
@@ -194,13 +196,42 @@ def moe_epilogue_wait(comb, probs, shared_y, out, state, errors, peer_flags: lis
 def megakernel(x, fc1, fc2, shared_fc1, shared_fc2, row_src_rank, row_src_slot, expert_counts, expert_offsets,
                x_routed, act, h, y_routed, shared_act, shared_h, shared_y, counters, state, errors,
                peer_x: list[int], peer_comb: list[int], peer_flags: list[int], rank: int, topk: int, num_comm: int,
-               num_compute: int, minibatch_rows: int, timeout_s: float) -> None:
+               num_compute: int, minibatch_rows: int, timeout_s: float, fp8: MegaFP8 | None = None) -> None:
     """The persistent forward megakernel (csrc/kernels/megakernel.cu): dispatch, shared and routed
     expert GEMMs, push-combine, and the opening half of the closing barrier, in one launch.
-    ``h`` / ``shared_h`` (optional): also keep the gate/up pre-activations for the backward."""
+    ``h`` / ``shared_h`` (optional): also keep the gate/up pre-activations for the backward.
+    ``fp8``: block-scaled e4m3 routed GEMMs; ``peer_x`` then lists the peers' e4m3 rows and
+    ``x_routed`` is unused."""
+    tensors, peer_xs, pitch = ([], [], 0) if fp8 is None else (fp8.tensors(), fp8.peer_scales, fp8.scale_pitch)
     _ops().megakernel(x, fc1, fc2, shared_fc1, shared_fc2, row_src_rank, row_src_slot, expert_counts, expert_offsets,
                       x_routed, act, h, y_routed, shared_act, shared_h, shared_y, counters, state, errors, peer_x,
-                      peer_comb, peer_flags, rank, topk, num_comm, num_compute, minibatch_rows, float(timeout_s))
+                      peer_comb, peer_flags, rank, topk, num_comm, num_compute, minibatch_rows, float(timeout_s),
+                      tensors, peer_xs, pitch)
+
+
+@dataclass
+class MegaFP8:
+    """The fp8 megakernel's operands: the routed weights' e4m3 copies and scales
+    (``fp8.quantize_weight``), the dispatched e4m3 rows ``x8`` [cap, H] with their scales
+    ``x8_scale`` [H / 128, cap], the quantized SwiGLU output ``act8`` [cap, I] with ``act8_scale``
+    [I / 128, cap] (outputs), the peers' symmetric scale rows (``peer_scales``, pitch
+    ``scale_pitch`` floats), and the shared expert as one segment (``shared_seg`` = int32 [0, T, T]:
+    its bf16 GEMMs run as expert-major tasks there)."""
+    fc1_q: torch.Tensor
+    fc1_scale: torch.Tensor
+    fc2_q: torch.Tensor
+    fc2_scale: torch.Tensor
+    x8: torch.Tensor
+    x8_scale: torch.Tensor
+    act8: torch.Tensor
+    act8_scale: torch.Tensor
+    peer_scales: list[int]
+    scale_pitch: int
+    shared_seg: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.fc1_q, self.fc1_scale, self.fc2_q, self.fc2_scale, self.x8, self.x8_scale, self.act8,
+                self.act8_scale, self.shared_seg]
 
 
 def megakernel_timeline(records=None) -> None:

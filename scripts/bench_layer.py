@@ -14,7 +14,8 @@ Backends (same inputs, same weights, bf16, one shared expert of size Is = I):
   mok@F=V+F=V  mok with MoKConfig fields set, e.g. mok@fwd_comm_sms=8+minibatch_rows=2048 (knobs: same bits)
   mok_ab    mok with the kernel environment variable of --ab-env (default MOK_GEMM_EXPERT=0: the
             staged routed GEMMs token-major); the kernels' A/B switches keep the bits, which is checked
-  mok%NAME=VALUE  the same for any MOK_ kernel switch, several per run (e.g. mok%MOK_GEMM_PAIRED=0)
+  mok%NAME=VALUE  the same for any MOK_ kernel switch, several per run (e.g. mok%MOK_GEMM_PAIRED=0;
+            mok@precision=fp8%MOK_FORWARD=staged: the fp8 forward on the staged launches)
   mok_recompute  mok with MoKConfig(save_gate_up=False): the forward keeps no gate/up outputs and
             the backward recomputes them (the activation-checkpointing memory mode)
   alltoall  Megatron-Core MoEAlltoAllTokenDispatcher (NCCL all-to-all) + torch._grouped_mm experts
@@ -211,7 +212,9 @@ def backend_mok_recompute(c, dev):
 
 
 def backend_mok_env(c, dev, name: str, env: tuple[str, str], overrides=None):
-    step, ws = backend_mok(c, dev, name=name, overrides=overrides)
+    # kernel_path reads MOK_FORWARD once, at import: that switch picks the path directly
+    path = env[1] if env[0] == "MOK_FORWARD" else None
+    step, ws = backend_mok(c, dev, path=path, name=name, overrides=overrides)
 
     def env_step():
         with env_var(*env):

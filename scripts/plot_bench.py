@@ -99,7 +99,8 @@ def plot(docs, png: str) -> None:
     fig, axes = plt.subplots(len(docs), 1, figsize=(12, 4 * len(docs)), squeeze=False)
     for ax, d in zip(axes[:, 0], docs):
         keys = sorted({(r["shape"], r["tokens"]) for r in d["results"]})
-        backends = [b for b in BACKEND_ORDER if any(r["backend"] == b for r in d["results"])]
+        present = list(dict.fromkeys(r["backend"] for r in d["results"]))  # in file order
+        backends = [b for b in BACKEND_ORDER if b in present] + [b for b in present if b not in BACKEND_ORDER]
         width = 0.8 / max(1, len(backends))
         for i, be in enumerate(backends):
             vals = []

@@ -65,6 +65,13 @@ __device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// Returns the old value; acquires what the earlier adders released (a "last arrival" test).
+__device__ __forceinline__ int atom_add_acq_rel_gpu(int* p, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
 // Orders this thread's generic-proxy global accesses with async-proxy (TMA) accesses: global data
 // written with ordinary stores by one CTA and read by TMA in another needs it on both sides.
 __device__ __forceinline__ void fence_proxy_async_global() {

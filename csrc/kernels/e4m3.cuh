@@ -40,5 +40,13 @@ __device__ __forceinline__ float half_warp_amax(const float (&v)[8]) {
   return amax;
 }
 
+// A half warp's quantized block: 8 bytes a lane at q, and (lane 0 of the half) the scale.
+__device__ __forceinline__ void store_half_warp_block(const float (&v)[8], float amax, uint8_t* q, float* scale,
+                                                      int half_lane) {
+  const float2 si = scale_and_inverse(amax);
+  *reinterpret_cast<uint2*>(q) = pack8(v, si.y);
+  if (half_lane == 0) *scale = si.x;
+}
+
 }  // namespace e4m3
 }  // namespace mok

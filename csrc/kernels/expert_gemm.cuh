@@ -290,14 +290,17 @@ __device__ __forceinline__ void skip_task(const Params& p, const Ring& sm, uint3
   }
 }
 
-// The task's N as a template argument (N = 16 .. 256).
-template <bool kWatch = false, bool kPaired = false, bool kWMN = false, class Ring>
+// The task's N as a template argument (N = 16 .. 16 kMaxUnits: tasks of at most that many rows;
+// the fp8 megakernel's bf16 tasks keep to 128, so that no wgmma accumulates into the registers
+// its e4m3 tasks promote into).
+template <bool kWatch = false, bool kPaired = false, bool kWMN = false, int kMaxUnits = kMaxTok / kTokAlign,
+          class Ring>
 __device__ __forceinline__ void mma_task_any(const Params& p, const Ring& sm, int cw, float (&acc)[128], uint32_t& it,
                                              int n_tok, const Watchdog* w = nullptr) {
   switch (n_tok / kTokAlign) {
-#define MOK_XGEMM_CASE(U) \
-  case U:                 \
-    mma_task<U * kTokAlign, kWatch, kPaired, kWMN>(p, sm, cw, acc, it, w); \
+#define MOK_XGEMM_CASE(U)                                                    \
+  case U:                                                                   \
+    if constexpr (U <= kMaxUnits) mma_task<U * kTokAlign, kWatch, kPaired, kWMN>(p, sm, cw, acc, it, w); \
     break;
     MOK_XGEMM_CASE(1) MOK_XGEMM_CASE(2) MOK_XGEMM_CASE(3) MOK_XGEMM_CASE(4) MOK_XGEMM_CASE(5) MOK_XGEMM_CASE(6)
     MOK_XGEMM_CASE(7) MOK_XGEMM_CASE(8) MOK_XGEMM_CASE(9) MOK_XGEMM_CASE(10) MOK_XGEMM_CASE(11)
@@ -370,20 +373,24 @@ __device__ __forceinline__ void zero_rows(__nv_bfloat16* dst, int64_t ld, int r0
 // tiles (g, s) are output columns 16 w + 8 s .. + 7 x tokens 8 g .. 8 g + 7, four per instruction
 // as (g, 0), (g, 1), (g + 1, 0), (g + 1, 1); lane 8 m + i addresses token 8 (g8 + m / 2) + i,
 // column 16 w + 8 (m % 2).
+// kOff: the first accumulator (the e4m3 tasks keep theirs in the upper half).
+template <int kOff = 0>
 __device__ __forceinline__ void stage_plain(uint32_t stg, const float (&acc)[128], int sl, int w, int lane) {
 #pragma unroll
   for (int g8 = 0; g8 < 8; g8 += 2) {
     const int g = 8 * sl + g8;
     const int m = lane / 8;
     stmatrix_x4<true>(stg + 2 * ((8 * (g8 + m / 2) + lane % 8) * kStageStride + 16 * w + 8 * (m % 2)),
-                      gemm::bf16x2_bits(acc[4 * g], acc[4 * g + 1]), gemm::bf16x2_bits(acc[4 * g + 2], acc[4 * g + 3]),
-                      gemm::bf16x2_bits(acc[4 * g + 4], acc[4 * g + 5]),
-                      gemm::bf16x2_bits(acc[4 * g + 6], acc[4 * g + 7]));
+                      gemm::bf16x2_bits(acc[kOff + 4 * g], acc[kOff + 4 * g + 1]),
+                      gemm::bf16x2_bits(acc[kOff + 4 * g + 2], acc[kOff + 4 * g + 3]),
+                      gemm::bf16x2_bits(acc[kOff + 4 * g + 4], acc[kOff + 4 * g + 5]),
+                      gemm::bf16x2_bits(acc[kOff + 4 * g + 6], acc[kOff + 4 * g + 7]));
   }
 }
 
-// kTok: the most token rows a task of this kernel has (its accumulators past kTok / 2 are unused).
-template <bool kSwiGLU, int kTok = kMaxTok, class Ring>
+// kTok: the most token rows a task of this kernel has (its accumulators past kTok / 2 are unused);
+// kOff: the first accumulator (xgemm8::kAcc for the e4m3 tasks).
+template <bool kSwiGLU, int kTok = kMaxTok, int kOff = 0, class Ring>
 __device__ __forceinline__ void store_task(const Params& p, const Ring& sm, const Task& tk, int cw,
                                            const float (&acc)[128]) {
   const int t = threadIdx.x % 128;
@@ -406,14 +413,15 @@ __device__ __forceinline__ void store_task(const Params& p, const Ring& sm, cons
 #pragma unroll
           for (int m = 0; m < 4; ++m) {
             const int g = 8 * sl + g8 + m;
-            const float g0 = acc[4 * g], g1 = acc[4 * g + 1], u0 = acc[4 * g + 2], u1 = acc[4 * g + 3];
+            const float g0 = acc[kOff + 4 * g], g1 = acc[kOff + 4 * g + 1], u0 = acc[kOff + 4 * g + 2],
+                        u1 = acc[kOff + 4 * g + 3];
             v[m] = round == 0 ? gemm::bf16x2_bits(swiglu(g0, u0), swiglu(g1, u1))
                               : (round == 1 ? gemm::bf16x2_bits(g0, g1) : gemm::bf16x2_bits(u0, u1));
           }
           stmatrix_x4<true>(stg + 2 * ((8 * (g8 + lane / 8) + lane % 8) * kStageStride + 8 * w), v[0], v[1], v[2], v[3]);
         }
       } else {
-        stage_plain(stg, acc, sl, w, lane);
+        stage_plain<kOff>(stg, acc, sl, w, lane);
       }
       if constexpr (kSwiGLU) {
         const int col0 = tk.block * (WM / 2) + cw * 32;
@@ -444,8 +452,8 @@ __device__ __forceinline__ void store_task(const Params& p, const Ring& sm, cons
 // are rounded to bf16 as an unfused da would be, staged, and each 8-column piece of a token row is
 // turned into d_gate and d_up with the forward's pre-activations h = [gate | up] of that row:
 // out = dh = [d_gate | d_up] ([rows, 2 N]). trow (optional): out row r pairs with h row trow[r].
-// kTok: as for store_task.
-template <int kTok = kMaxTok, class Ring>
+// kTok, kOff: as for store_task.
+template <int kTok = kMaxTok, int kOff = 0, class Ring>
 __device__ __forceinline__ void store_task_swiglu_bwd(const Params& p, const Ring& sm, const Task& tk, int cw,
                                                       const float (&acc)[128], const __nv_bfloat16* h,
                                                       const int* trow) {
@@ -460,7 +468,7 @@ __device__ __forceinline__ void store_task_swiglu_bwd(const Params& p, const Rin
     if (64 * sl >= tk.n_tok) break;
     const int row0 = tk.row0 + 64 * sl;
     const int n_real = tk.n_real - 64 * sl;
-    stage_plain(stg, acc, sl, w, lane);
+    stage_plain<kOff>(stg, acc, sl, w, lane);
     warpgroup_bar_sync(bar);
     for (int idx = t; idx < 64 * 8; idx += 128) {
       const int c = idx / 8, col = col0 + 8 * (idx % 8);

@@ -34,7 +34,7 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
         tma_prefetch_desc(&tmR);
         uint32_t it = 0;
         for (int u = blockIdx.x; u < tasks; u += gridDim.x)
-          xgemm8::produce_task<kEpi == Epilogue::kSwiGLU>(p, &tmW, &tmX, &tmR, sm,
+          xgemm8::produce_task<kEpi == Epilogue::kSwiGLU>(p.g, &tmW, &tmX, &tmR, sm,
                                                           xgemm::decode(p.g, chunk_prefix, u), it);
       },
       [] {},
@@ -44,13 +44,13 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
         for (int u = blockIdx.x; u < tasks; u += gridDim.x) {
           const xgemm::Task t = xgemm::decode(p.g, chunk_prefix, u);
           const float* ws = p.w_scale + ((int64_t)t.seg * p.g.n_blocks + t.block) * nk;
-          xgemm8::mma_task_any(p, sm, cw, acc, it, t.n_tok, ws);
+          xgemm8::mma_task_any(p.g, sm, cw, acc, it, t.n_tok, ws);
           // decoded again: keeping the task live through the main loop costs registers
           const xgemm::Task done = xgemm::decode(p.g, chunk_prefix, u);
           if constexpr (kEpi == Epilogue::kSwiGLUBackward)
-            xgemm::store_task_swiglu_bwd<xgemm8::kMaxTok>(p.g, sm, done, cw, acc, p.h, nullptr);
+            xgemm::store_task_swiglu_bwd<xgemm8::kMaxTok, xgemm8::kAcc>(p.g, sm, done, cw, acc, p.h, nullptr);
           else
-            xgemm::store_task<kEpi == Epilogue::kSwiGLU, xgemm8::kMaxTok>(p.g, sm, done, cw, acc);
+            xgemm::store_task<kEpi == Epilogue::kSwiGLU, xgemm8::kMaxTok, xgemm8::kAcc>(p.g, sm, done, cw, acc);
         }
       });
 }
@@ -118,10 +118,7 @@ __global__ void __launch_bounds__(256) quantize_rows_e4m3_kernel(const __nv_bflo
 #pragma unroll
     for (int u = 0; u < kItemsPerHalfWarp; ++u) {
       const float amax = e4m3::half_warp_amax(v[u]);
-      if (r[u] < 0) continue;
-      const float2 si = e4m3::scale_and_inverse(amax);
-      *reinterpret_cast<uint2*>(q + q_off[u]) = e4m3::pack8(v[u], si.y);
-      if (lane == 0) scale[sl.at(r[u], kb[u])] = si.x;
+      if (r[u] >= 0) e4m3::store_half_warp_block(v[u], amax, q + q_off[u], scale + sl.at(r[u], kb[u]), lane);
     }
   }
 }

@@ -19,7 +19,7 @@
 // results equal the bf16 rounding of the exact products of the e4m3 operands. Accumulators plus
 // block sums must fit the 128 registers the bf16 kernels give their accumulators (ptxas
 // allocates the consumers within the launch's 168 a thread), so a task holds at most 128 token
-// rows (experts split into chunks of <= 128 rows).
+// rows (experts split into chunks of <= 128 rows), and the sums use the upper half (kSum).
 //
 // Operands (all K-major, as wgmma e4m3 requires):
 // - X8 [rows, K] e4m3 with XS [K / 128][x_scale_ld] fp32 (transposed: a stage's 128 token scales
@@ -84,17 +84,22 @@ __device__ __forceinline__ Smem carve_smem(uint8_t* raw) {
 __host__ __device__ constexpr int k_blocks(int K) { return (K + BK - 1) / BK; }
 
 // Producer thread: per stage the weight tile, the task's token rows and their scales of block kb.
-template <bool kSwiGLU>
-__device__ __forceinline__ void produce_task(const Params& p, const CUtensorMap* tmW, const CUtensorMap* tmX,
-                                             const CUtensorMap* tmR, const Smem& sm, const xgemm::Task& t,
-                                             uint32_t& it) {
-  const int nk = k_blocks(p.g.K);
+// `Ring` gives the stages (w(s), x(s), scales(s)) and their barriers; the megakernel's (kWatch) is
+// its token-major ring: waits under the watchdog, and `tag` goes to stage_tag[s] of the task's first
+// stage before it is armed.
+template <bool kSwiGLU, bool kWatch = false, class Ring>
+__device__ __forceinline__ void produce_task(const xgemm::Params& g, const CUtensorMap* tmW, const CUtensorMap* tmX,
+                                             const CUtensorMap* tmR, const Ring& sm, const xgemm::Task& t,
+                                             uint32_t& it, const Watchdog* w = nullptr,
+                                             volatile int* stage_tag = nullptr, int tag = 0) {
+  const int nk = k_blocks(g.K);
   const int nbox = (t.n_tok + xgemm::kXBox - 1) / xgemm::kXBox;
-  const int wcoord = kSwiGLU ? (t.seg * p.g.w_rows_per_seg + t.block * (WM / 2)) / 8
-                             : t.seg * p.g.w_rows_per_seg + t.block * WM;
+  const int wcoord = kSwiGLU ? (t.seg * g.w_rows_per_seg + t.block * (WM / 2)) / 8
+                             : t.seg * g.w_rows_per_seg + t.block * WM;
   for (int kb = 0; kb < nk; ++kb, ++it) {
-    const int s = it % kStages;
-    gemm::ring_wait<false>(sm.empty(s), ((it / kStages) & 1) ^ 1, nullptr);
+    const int s = it % Ring::kStages;
+    gemm::ring_wait<kWatch>(sm.empty(s), ((it / Ring::kStages) & 1) ^ 1, w);
+    if (stage_tag != nullptr && kb == 0) stage_tag[s] = tag;
     mbar_arrive_expect_tx(sm.full(s), kWBytes + nbox * xgemm::kXBox * BK + kRBytes);
     if constexpr (kSwiGLU)
       tma_load_4d(sm.w(s), tmW, sm.full(s), kb * BK, 0, 0, wcoord);
@@ -123,9 +128,17 @@ MOK_XGEMM8_ATOM(112)
 MOK_XGEMM8_ATOM(128)
 #undef MOK_XGEMM8_ATOM
 
+// One accumulator array of 128 registers holds both register sets of a <= 128-token task, as a
+// bf16 task's accumulators (the megakernel's consumers have no more): the block sums in its lower
+// half, where every wgmma of the kernels accumulates, and the fp32 sums (the result) in acc[kAcc ..],
+// which the epilogues read with that offset. ptxas serializes the wgmmas of a kernel if a non-wgmma
+// instruction writes a wgmma's accumulators (C7515: also a copy of the result to the lower half) or
+// if the sums sit elsewhere (C7511).
+constexpr int kAcc = kMaxTok / 2;
+
 // wgmma m64 nN k32 into d[0 .. N / 2) (a fresh sum unless accumulate).
 template <int N, size_t... Is>
-__device__ __forceinline__ void wgmma_n(float (&d)[kMaxTok / 2], uint64_t da, uint64_t db, bool accumulate,
+__device__ __forceinline__ void wgmma_n(float (&d)[128], uint64_t da, uint64_t db, bool accumulate,
                                         std::index_sequence<Is...>) {
   Atom<N>::type::fma(da, db, d[Is]...,
                      accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
@@ -137,61 +150,63 @@ __device__ __forceinline__ float2 ld_shared_f2(uint32_t addr) {
   return v;
 }
 
-// acc (tokens 8 g + 2 q + h of the layout in expert_gemm.cuh) += sum * wscale * xs[token], xs the
-// stage's token scales in shared memory.
+// acc[kAcc ..] (tokens 8 g + 2 q + h of the layout in expert_gemm.cuh) += sum * wscale * xs[token],
+// sum = acc[0 ..], xs the stage's token scales in shared memory.
 template <int N>
-__device__ __forceinline__ void promote(float (&acc)[128], float (&sum)[kMaxTok / 2], float wscale, uint32_t xs) {
-  fence_regs(sum);
+__device__ __forceinline__ void promote(float (&acc)[128], float wscale, uint32_t xs) {
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) asm volatile("" : "+f"(acc[i])::"memory");  // after the wgmma wait
   const int q = (threadIdx.x % 32) % 4;
 #pragma unroll
   for (int g = 0; g < N / 8; ++g) {
     const float2 r = ld_shared_f2(xs + 4 * (8 * g + 2 * q));
     const float s0 = r.x * wscale, s1 = r.y * wscale;
-    acc[4 * g] = fmaf(sum[4 * g], s0, acc[4 * g]);
-    acc[4 * g + 1] = fmaf(sum[4 * g + 1], s1, acc[4 * g + 1]);
-    acc[4 * g + 2] = fmaf(sum[4 * g + 2], s0, acc[4 * g + 2]);
-    acc[4 * g + 3] = fmaf(sum[4 * g + 3], s1, acc[4 * g + 3]);
+    float* a = acc + kAcc + 4 * g;
+    a[0] = fmaf(acc[4 * g], s0, a[0]);
+    a[1] = fmaf(acc[4 * g + 1], s1, a[1]);
+    a[2] = fmaf(acc[4 * g + 2], s0, a[2]);
+    a[3] = fmaf(acc[4 * g + 3], s1, a[3]);
   }
 }
 
 // Consumer warpgroup `cw`: weight rows 64 cw .. 64 cw + 63 of every stage against the task's N
 // token rows; ws: the task's weight scale row. Per stage: the block's four k32 steps summed
 // afresh, waited for, promoted; the stage is freed once its scales are read.
-template <int N>
-__device__ __forceinline__ void mma_task(const Params& p, const Smem& sm, int cw, float (&acc)[128], uint32_t& it,
-                                         const float* ws) {
-  const int nk = k_blocks(p.g.K);
+template <int N, bool kWatch, class Ring>
+__device__ __forceinline__ void mma_task(const xgemm::Params& g, const Ring& sm, int cw, float (&acc)[128],
+                                         uint32_t& it, const float* ws, const Watchdog* w) {
+  const int nk = k_blocks(g.K);
 #pragma unroll
-  for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
-  float sum[kMaxTok / 2];
+  for (int i = 0; i < N / 2; ++i) acc[kAcc + i] = 0.f;
   for (int kb = 0; kb < nk; ++kb, ++it) {
-    const int s = it % kStages;
+    const int s = it % Ring::kStages;
     const float wscale = __ldg(ws + kb);
-    gemm::ring_wait<false>(sm.full(s), (it / kStages) & 1, nullptr);
+    gemm::ring_wait<kWatch>(sm.full(s), (it / Ring::kStages) & 1, w);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BK / 32; ++kk) {
       const uint64_t da = wgmma_desc_sw128(sm.w(s) + cw * (WM / 2) * 128 + kk * 32);
       const uint64_t db = wgmma_desc_sw128(sm.x(s) + kk * 32);
-      // a runtime flag for the fresh start (kk == 0; nk >= 1 always): a constant one makes ptxas
-      // serialize the wgmmas (C7511)
-      wgmma_n<N>(sum, da, db, kk > 0 || nk < 0, std::make_index_sequence<N / 2>{});
+      // a runtime flag for the fresh start (kk == 0; ws is never null): a constant one makes
+      // ptxas serialize the wgmmas (C7511)
+      wgmma_n<N>(acc, da, db, kk > 0 || ws == nullptr, std::make_index_sequence<N / 2>{});
     }
     wgmma_commit();
     wgmma_wait<0>();
-    promote<N>(acc, sum, wscale, smem_u32(sm.scales(s)));
+    promote<N>(acc, wscale, smem_u32(sm.scales(s)));
     gemm::release_stage<false>(sm.empty(s));
   }
   fence_regs(acc);
 }
 
 // The task's N as a template argument (N = 16 .. 128).
-__device__ __forceinline__ void mma_task_any(const Params& p, const Smem& sm, int cw, float (&acc)[128], uint32_t& it,
-                                             int n_tok, const float* ws) {
+template <bool kWatch = false, class Ring>
+__device__ __forceinline__ void mma_task_any(const xgemm::Params& g, const Ring& sm, int cw, float (&acc)[128],
+                                             uint32_t& it, int n_tok, const float* ws, const Watchdog* w = nullptr) {
   switch (n_tok / xgemm::kTokAlign) {
 #define MOK_XGEMM8_CASE(U) \
   case U:                  \
-    mma_task<U * xgemm::kTokAlign>(p, sm, cw, acc, it, ws); \
+    mma_task<U * xgemm::kTokAlign, kWatch>(g, sm, cw, acc, it, ws, w); \
     break;
     MOK_XGEMM8_CASE(1) MOK_XGEMM8_CASE(2) MOK_XGEMM8_CASE(3) MOK_XGEMM8_CASE(4) MOK_XGEMM8_CASE(5)
     MOK_XGEMM8_CASE(6) MOK_XGEMM8_CASE(7) MOK_XGEMM8_CASE(8)

@@ -238,9 +238,23 @@ struct MegaArgs {
   int num_compute;     // other CTAs (0: one per remaining SM)
   int minibatch_rows;  // multiple of 128
   uint64_t timeout_ns;  // watchdog of every wait inside the kernel
+  // fp8 (fc1_q non-null): block-scaled e4m3 routed GEMMs; x_bufs then hold the peers' e4m3 rows
+  // [T, H] and xs_bufs their scales [T][xs_pitch] (quantize_rows_e4m3); x_routed is unused
+  const void* fc1_q;  // [nle, 2I, H] e4m3 (fp8.quantize_weight), scales [nle][I / 64][H / 128]
+  const float* fc1_scale;
+  const void* fc2_q;  // [nle, H, I] e4m3, scales [nle][H / 128][I / 128]
+  const float* fc2_scale;
+  void* x8_routed;    // [capacity, H] e4m3
+  float* x8_scale;    // [H / 128][capacity]
+  void* act8;         // [capacity, I] e4m3
+  float* act8_scale;  // [I / 128][capacity]
+  PeerPtrs xs_bufs;
+  int xs_pitch;
+  const int* shared_seg;  // [0, T, T]: the shared expert as one segment (offsets, count), with shared_fc1
 };
 
-int64_t megakernel_counter_ints(int capacity, int T);
+// act_kb: I / 128 for the fp8 megakernel, else 0.
+int64_t megakernel_counter_ints(int capacity, int T, int act_kb);
 
 // One launch: pull-dispatch, shared expert, routed gate/up (+SwiGLU) and down GEMMs, push-combine
 // into the source ranks' slots, and the opening half of the closing barrier (launch_epilogue with

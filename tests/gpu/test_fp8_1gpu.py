@@ -5,6 +5,8 @@ quantizes at the same points."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -236,8 +238,9 @@ FP8_SHAPES = [  # T, H, I, Is, E, k (H and I multiples of 128)
 @pytest.mark.parametrize("shape", FP8_SHAPES)
 def test_fp8_forward_matches_fp8_reference(kind, shape, monkeypatch):
     """The layer with MoKConfig(precision="fp8") against the reference that quantizes the same
-    operands (fp32 arithmetic), on NaN-poisoned outputs and buffers; repeats and CTA knobs give the
-    same bits; the quantization error against the bf16 layer is reported by its bound."""
+    operands (fp32 arithmetic), on NaN-poisoned outputs and buffers; the megakernel and the staged
+    launches, repeats, CTA counts and minibatch sizes give the same bits (output and context); the
+    quantization error against the bf16 layer is reported by its bound."""
     T, H = shape[:2]
     cfg = MoKConfig(precision="fp8")
     cfg, ws, top, (x, probs, fc1, fc2, sfc1, sfc2), _ = make_case(shape, kind, 11 * sum(shape) + len(kind), DEV, cfg)
@@ -253,32 +256,43 @@ def test_fp8_forward_matches_fp8_reference(kind, shape, monkeypatch):
     I = fc1.shape[1] // 2
     ref_act = (torch.nn.functional.silu(rctx.fc1_out[:, :I]) * rctx.fc1_out[:, I:])[real]
     w8 = functional.quantize_expert_weights(fc1, fc2)
-    base = None
-    for rep, knobs in enumerate([{}, dict(gemm_ctas=1, comm_ctas=3), dict(gemm_ctas=77, comm_ctas=1), {}]):
-        # the last repeat keeps the shared expert on the caller's stream (MOK_FWD_OVERLAP=0): same bits
+    base = base_ctx = None
+    # (path, knobs, config fields): the megakernel and the staged launches, CTA counts, minibatch
+    # size; the staged repeat 3 keeps the shared expert on the caller's stream (MOK_FWD_OVERLAP=0)
+    reps = [("mega", {}, {}), ("staged", {}, {}), ("mega", dict(gemm_ctas=1, comm_ctas=3), {}),
+            ("staged", dict(gemm_ctas=77, comm_ctas=1), {}), ("mega", dict(gemm_ctas=5), dict(minibatch_rows=128)),
+            ("mega", {}, dict(fwd_comm_sms=1, minibatch_rows=4096))]
+    for rep, (path, knobs, fields) in enumerate(reps):
         monkeypatch.setenv("MOK_FWD_OVERLAP", "0" if rep == 3 else "1")
         out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=DEV)
-        out, ctx = _kp().forward(cfg, ws, sched, x, probs, fc1, fc2, sfc1, sfc2, out=out,
-                                 fp8_weights=w8 if rep % 2 == 0 else None, **knobs)
+        out, ctx = _kp().forward(dataclasses.replace(cfg, **fields), ws, sched, x, probs, fc1,
+                                 fc2, sfc1, sfc2, out=out, fp8_weights=w8 if rep % 2 == 0 else None, path=path,
+                                 **knobs)
         torch.cuda.synchronize()
-        assert torch.isfinite(out.float()).all(), "output elements not written (or NaN)"
+        assert torch.isfinite(out.float()).all(), f"{path}: output elements not written (or NaN)"
         if base is None:
-            base = out.clone()
+            base, base_ctx = out.clone(), ctx
             # the stages first: the routed rows' pre-activations, SwiGLU output, expert outputs
             stages = dict(h=rel_err(ctx.h[real], rctx.fc1_out[real]), act=rel_err(ctx.act[real], ref_act),
                           y=rel_err(ctx.y_routed[real], rctx.y_routed[real]), out=rel_err(out, ref))
             assert max(stages.values()) <= 1e-2, stages
             # e4m3's 3 mantissa bits, through two quantized GEMMs (no shared expert: nothing dilutes it)
             assert rel_err(out, ref_bf16) < 8e-2, rel_err(out, ref_bf16)
+            base_rows = _kp().routed_rows(ctx, sched)[real].clone()
         else:
-            assert torch.equal(bits(out), bits(base)), f"bits differ at rep {rep} {knobs}"
+            assert torch.equal(bits(out), bits(base)), f"bits differ at rep {rep} ({path}, {knobs}, {fields})"
+            for name in ("act", "h", "y_routed"):
+                a, b = getattr(ctx, name)[real], getattr(base_ctx, name)[real]
+                assert torch.equal(bits(a), bits(b)), f"ctx.{name} differs at rep {rep} ({path})"
+            assert torch.equal(bits(_kp().routed_rows(ctx, sched)[real]), bits(base_rows)), \
+                f"the dispatched e4m3 rows differ at rep {rep} ({path})"
         poison_internal(ws)
     ws.check_errors(blocking=True)
 
 
-@pytest.mark.parametrize("fp8_dgrad", [True, False])
-def test_fp8_forward_cuda_graph_and_backward(fp8_dgrad):
-    """Schedule + fp8 forward captured in a CUDA graph (no host sync) replays the eager bits; the
+@pytest.mark.parametrize("path,fp8_dgrad", [("staged", True), ("staged", False), ("mega", True)])
+def test_fp8_forward_cuda_graph_and_backward(path, fp8_dgrad):
+    """Schedule + fp8 forward (either path) captured in a CUDA graph (no host sync) replays the eager bits; the
     backward on the fp8 forward's context (e4m3 or bf16 dgrads) matches the reference backward on
     the reference fp8 context (<= 1e-2 for every gradient), repeats bit for bit, and replays the
     same bits from a CUDA graph."""
@@ -289,7 +303,7 @@ def test_fp8_forward_cuda_graph_and_backward(fp8_dgrad):
     w8 = functional.quantize_expert_weights(inputs[2], inputs[3], transposed=fp8_dgrad)
 
     def run():
-        return kp.forward(cfg, ws, kp.build_schedule(cfg, ws, top), *inputs, fp8_weights=w8)
+        return kp.forward(cfg, ws, kp.build_schedule(cfg, ws, top), *inputs, fp8_weights=w8, path=path)
 
     eager = eager_before_capture(lambda: run()[0].clone())
     graph = torch.cuda.CUDAGraph()
@@ -301,7 +315,7 @@ def test_fp8_forward_cuda_graph_and_backward(fp8_dgrad):
         torch.cuda.synchronize()
         assert torch.equal(bits(out_g), bits(eager)), "graph replay differs from eager"
     sched = kp.build_schedule(cfg, ws, top)
-    out, ctx = kp.forward(cfg, ws, sched, *inputs, fp8_weights=w8)
+    out, ctx = kp.forward(cfg, ws, sched, *inputs, fp8_weights=w8, path=path)
     assert ctx.x_routed is None and ctx.x_e4m3 is not None  # e4m3 rows kept, dequantized by the backward
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).bfloat16().to(DEV)
     got = grads_list(functional.backward(cfg, ws, sched, ctx, grad, *inputs, fp8_weights=w8))

@@ -64,22 +64,25 @@ def _suite(rank: int, world: int) -> list[str]:
 
     check("bitwise_20_repeats_and_knobs", bitwise_20_and_knobs)
 
+    def assert_mega_bits(base, cfgs, ws, sched, inputs, what):
+        """The megakernel forward at each config gives base's bits (NaN-poisoned output and buffers)."""
+        for cfg in cfgs:
+            poison_internal(ws)
+            out = torch.full(base.shape, float("nan"), dtype=torch.bfloat16, device=dev)
+            out, _ = kp.forward(cfg, ws, sched, *inputs, out=out, path="mega")
+            torch.cuda.synchronize()
+            assert torch.equal(out.view(torch.int16), base.view(torch.int16)), f"{what}: bits differ at {cfg}"
+            ws.check_errors(blocking=True)
+
     def mega_vs_staged_comm_sms_minibatch():
         T, H = 1024, 512
         _, ws, top, (x, probs, fc1, fc2, sfc1, sfc2), _ = make_case(
             (T, H, 256, 256, 16, 4), "skewed", 31 + rank, dev, world=world)  # the knobs below do not touch ws
         sched = kp.build_schedule(MoKConfig(), ws, top)
         base, _ = kp.forward(MoKConfig(), ws, sched, x, probs, fc1, fc2, sfc1, sfc2, path="staged")
-        base = base.clone()
-        for comm in (2, 8, 24, 40):
-            for mb in (128, 256, 1024, 4096):
-                cfg = MoKConfig(fwd_comm_sms=comm, minibatch_rows=mb)
-                poison_internal(ws)
-                out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=dev)
-                out, ctx = kp.forward(cfg, ws, sched, x, probs, fc1, fc2, sfc1, sfc2, out=out, path="mega")
-                torch.cuda.synchronize()
-                assert torch.equal(out.view(torch.int16), base.view(torch.int16)), f"bits differ: comm {comm} mb {mb}"
-                ws.check_errors(blocking=True)
+        cfgs = [MoKConfig(fwd_comm_sms=comm, minibatch_rows=mb)
+                for comm in (2, 8, 24, 40) for mb in (128, 256, 1024, 4096)]
+        assert_mega_bits(base.clone(), cfgs, ws, sched, (x, probs, fc1, fc2, sfc1, sfc2), "bf16")
 
     check("mega_equals_staged_over_comm_sms_and_minibatch", mega_vs_staged_comm_sms_minibatch)
 
@@ -89,6 +92,20 @@ def _suite(rank: int, world: int) -> list[str]:
         ws.check_errors(blocking=True)
 
     check("cuda_graph_replay_equals_eager", cuda_graph)
+
+    def fp8_mega_equals_staged():
+        # the fp8 megakernel (e4m3 rows pulled from the peer, act quantized in its epilogues) against
+        # the staged fp8 launches, at two knob settings, uneven and single-expert routing
+        for kind in ("skewed", "one_expert"):
+            T, H = 512, 512
+            cfg, ws, top, (x, probs, fc1, fc2, sfc1, sfc2), _ = make_case(
+                (T, H, 256, 256, 16, 4), kind, 41 + rank, dev, cfg=MoKConfig(precision="fp8"), world=world)
+            sched = kp.build_schedule(cfg, ws, top)
+            base, _ = kp.forward(cfg, ws, sched, x, probs, fc1, fc2, sfc1, sfc2, path="staged")
+            cfgs = [cfg, MoKConfig(precision="fp8", fwd_comm_sms=2, minibatch_rows=128)]
+            assert_mega_bits(base.clone(), cfgs, ws, sched, (x, probs, fc1, fc2, sfc1, sfc2), f"fp8 {kind}")
+
+    check("fp8_mega_equals_staged", fp8_mega_equals_staged)
 
     def capacity_overflow():
         cfg, ws, top, (x, probs, fc1, fc2, _, _), _ = make_case(  # one_expert: all rows on rank 0
@@ -111,6 +128,16 @@ def _suite(rank: int, world: int) -> list[str]:
         check_stalled_peer_times_out(ws, lambda: kp.forward(cfg, ws, sched, x, probs, fc1, fc2), rank)
 
     check("stalled_peer_times_out", stalled_peer)
+
+    def stalled_peer_fp8_mega():
+        cfg, ws, top, (x, probs, fc1, fc2, _, _), _ = make_case(
+            (256, 256, 128, 0, 8, 2), "random", 4, dev, cfg=MoKConfig(peer_timeout_s=1.0, precision="fp8"),
+            world=world)
+        sched = kp.build_schedule(cfg, ws, top)
+        kp.forward(cfg, ws, sched, x, probs, fc1, fc2, path="mega")  # creates the buffers on both ranks
+        check_stalled_peer_times_out(ws, lambda: kp.forward(cfg, ws, sched, x, probs, fc1, fc2, path="mega"), rank)
+
+    check("stalled_peer_times_out_fp8_mega", stalled_peer_fp8_mega)
     return lines
 
 
