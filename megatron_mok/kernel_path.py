@@ -70,6 +70,8 @@ def forward_path(path: str | None, precision: str = "bf16") -> str:
     if path not in FORWARD_PATHS:
         raise ValueError(f"megatron_mok: forward path must be one of {FORWARD_PATHS}, got {path!r}")
     return path
+
+
 # Waits inside the megakernel depend on no peer: they give up after at most this long (a bug, not
 # a slow peer), so a stall ends the kernel with an error instead of hanging the GPU.
 MEGA_WATCHDOG_S = 10.0

@@ -15,7 +15,7 @@ Backends (same inputs, same weights, bf16, one shared expert of size Is = I):
   mok_ab    mok with the kernel environment variable of --ab-env (default MOK_GEMM_EXPERT=0: the
             staged routed GEMMs token-major); the kernels' A/B switches keep the bits, which is checked
   mok%NAME=VALUE  the same for any MOK_ kernel switch, several per run (e.g. mok%MOK_GEMM_PAIRED=0;
-            mok@precision=fp8%MOK_FORWARD=staged: the fp8 forward on the staged launches)
+            mok@precision=fp8%MOK_FORWARD=mega: the fp8 forward megakernel, not the staged default)
   mok_recompute  mok with MoKConfig(save_gate_up=False): the forward keeps no gate/up outputs and
             the backward recomputes them (the activation-checkpointing memory mode)
   alltoall  Megatron-Core MoEAlltoAllTokenDispatcher (NCCL all-to-all) + torch._grouped_mm experts
@@ -225,6 +225,16 @@ def backend_mok_env(c, dev, name: str, env: tuple[str, str], overrides=None):
 
 def backend_mok_ab(c, dev):
     return backend_mok_env(c, dev, "mok_ab", AB_ENV)
+
+
+def forward_runs_megakernel(be: str) -> bool:
+    """Whether mok backend ``be`` runs the forward megakernel (MOK_FORWARD, else the precision's default)."""
+    from megatron_mok import kernel_path
+
+    if be == "mok_staged":
+        return False
+    path = parse_env_backend(be)[1] if "%MOK_FORWARD=" in be else None
+    return kernel_path.forward_path(path, config_overrides(be).get("precision", "bf16")) == "mega"
 
 
 def parse_env_backend(be: str) -> tuple[str, str]:
@@ -818,8 +828,8 @@ def run_cases(args, backends, dev) -> list[dict]:
                             + ", ".join(f"{k} {v:.3f}" for k, v in row["kernels"]["by_category"].items()))
                         for kern in row["kernels"]["top"]:
                             log(f"    {kern['ms']:8.3f}  {kern['name'][:100]}")
-                    if args.timeline and be != "mok_staged" and be.startswith("mok") \
-                            and "MOK_BWD_KERNEL=staged" not in be and "MOK_FORWARD=staged" not in be:
+                    if args.timeline and be.startswith("mok") and "MOK_BWD_KERNEL=staged" not in be \
+                            and (PASS == "bwd" or forward_runs_megakernel(be)):
                         row["timeline"] = mok_timeline(step)
                         t = row["timeline"][0]
                         log(f"  timeline rank 0: span {t['span_us']} us, SM time {t['leader_time']}, "

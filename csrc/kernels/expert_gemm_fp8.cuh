@@ -19,7 +19,7 @@
 // results equal the bf16 rounding of the exact products of the e4m3 operands. Accumulators plus
 // block sums must fit the 128 registers the bf16 kernels give their accumulators (ptxas
 // allocates the consumers within the launch's 168 a thread), so a task holds at most 128 token
-// rows (experts split into chunks of <= 128 rows), and the sums use the upper half (kSum).
+// rows (experts split into chunks of <= 128 rows); the result sits in the upper half (kAcc).
 //
 // Operands (all K-major, as wgmma e4m3 requires):
 // - X8 [rows, K] e4m3 with XS [K / 128][x_scale_ld] fp32 (transposed: a stage's 128 token scales
@@ -84,9 +84,9 @@ __device__ __forceinline__ Smem carve_smem(uint8_t* raw) {
 __host__ __device__ constexpr int k_blocks(int K) { return (K + BK - 1) / BK; }
 
 // Producer thread: per stage the weight tile, the task's token rows and their scales of block kb.
-// `Ring` gives the stages (w(s), x(s), scales(s)) and their barriers; the megakernel's (kWatch) is
-// its token-major ring: waits under the watchdog, and `tag` goes to stage_tag[s] of the task's first
-// stage before it is armed.
+// `Ring` gives the stages (w(s), x(s), scales(s)) and their barriers (the megakernel's E4M3Ring,
+// kWatch: waits under the watchdog, and `tag` goes to stage_tag[s] of the task's first stage before
+// it is armed).
 template <bool kSwiGLU, bool kWatch = false, class Ring>
 __device__ __forceinline__ void produce_task(const xgemm::Params& g, const CUtensorMap* tmW, const CUtensorMap* tmX,
                                              const CUtensorMap* tmR, const Ring& sm, const xgemm::Task& t,
