@@ -190,7 +190,8 @@ int64_t e4m3_weight_tiles(int64_t n, bool swiglu) { return swiglu ? (n + 63) / 6
 void expert_gemm_fp8(const Tensor& x8, const Tensor& x_scale, const Tensor& w8, const Tensor& w_scale,
                      const Tensor& seg_offsets, const Tensor& seg_counts, Tensor& out,
                      const std::optional<Tensor>& pre_out, bool swiglu, int64_t num_ctas,
-                     const std::optional<Tensor>& h) {
+                     const std::optional<Tensor>& h, const std::optional<Tensor>& push_rank,
+                     const std::optional<Tensor>& push_slot, std::vector<int64_t> push_peers) {
   check_cuda(x8, "x8", at::kFloat8_e4m3fn);
   check_cuda(w8, "w8", at::kFloat8_e4m3fn);
   check_cuda(x_scale, "x_scale", at::kFloat);
@@ -229,11 +230,25 @@ void expert_gemm_fp8(const Tensor& x8, const Tensor& x_scale, const Tensor& w8, 
                 "megatron_mok: expert_gemm_fp8 with h: h and out (dh) must both be [rows, 2 N]");
     hp = h->data_ptr();
   }
+  TORCH_CHECK(push_rank.has_value() == push_slot.has_value() && push_rank.has_value() == !push_peers.empty(),
+              "megatron_mok: expert_gemm_fp8 push_rank, push_slot and push_peers go together");
+  mok::PeerPtrs bufs{};
+  if (push_rank.has_value()) {
+    TORCH_CHECK(!swiglu && !h.has_value(), "megatron_mok: expert_gemm_fp8 pushes rows of the plain (down) GEMM only");
+    check_cuda(*push_rank, "push_rank", at::kInt);
+    check_cuda(*push_slot, "push_slot", at::kInt);
+    TORCH_CHECK(push_rank->numel() == x8.size(0) && push_slot->numel() == x8.size(0),
+                "megatron_mok: expert_gemm_fp8 push_rank and push_slot need one entry per row");
+    bufs = peers(push_peers, "push_peers");
+  }
   c10::cuda::CUDAGuard guard(x8.device());
   check(mok::launch_expert_gemm_fp8(swiglu, x8.data_ptr(), x8.size(0), static_cast<int>(K), x_scale.data_ptr<float>(),
                                     static_cast<int>(x_scale.size(1)), w8.data_ptr(), w_scale.data_ptr<float>(),
                                     static_cast<int>(nseg), seg_offsets.data_ptr<int>(), seg_counts.data_ptr<int>(),
-                                    out.data_ptr(), pre, static_cast<int>(N), hp, static_cast<int>(num_ctas),
+                                    out.data_ptr(), pre, static_cast<int>(N), hp,
+                                    push_rank.has_value() ? push_rank->data_ptr<int>() : nullptr,
+                                    push_slot.has_value() ? push_slot->data_ptr<int>() : nullptr,
+                                    push_rank.has_value() ? &bufs : nullptr, static_cast<int>(num_ctas),
                                     current_stream()));
 }
 
@@ -878,7 +893,8 @@ TORCH_LIBRARY(megatron_mok, m) {
       "bool swiglu, int num_ctas) -> ()");
   m.def(
       "expert_gemm_fp8(Tensor x8, Tensor x_scale, Tensor w8, Tensor w_scale, Tensor seg_offsets, Tensor seg_counts, "
-      "Tensor(a!) out, Tensor(b!)? pre_out, bool swiglu, int num_ctas=0, Tensor? h=None) -> ()");
+      "Tensor(a!) out, Tensor(b!)? pre_out, bool swiglu, int num_ctas=0, Tensor? h=None, Tensor? push_rank=None, "
+      "Tensor? push_slot=None, int[] push_peers=[]) -> ()");
   m.def(
       "quantize_rows_e4m3(Tensor x, Tensor(a!) q, Tensor(b!) scale, Tensor? rows_end=None, bool scale_rows=False, "
       "bool gate_up_pairs=False) -> ()");

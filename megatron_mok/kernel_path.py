@@ -271,16 +271,18 @@ def _mark(wanted) -> torch.cuda.Event | None:
     return ev
 
 
-def _routed_experts_fp8(sched, x_e4m3, x_scale, w8, act, h, y_routed, gemm_ctas) -> None:
+def _routed_experts_fp8(sched, x_e4m3, x_scale, w8, act, h, y_routed, gemm_ctas, push=None) -> None:
     """The routed gate/up and down GEMMs on block-scaled e4m3 operands (the dispatched e4m3 rows;
-    the SwiGLU output quantized up to the last segment's end); outputs bf16."""
+    the SwiGLU output quantized up to the last segment's end); outputs bf16. push (the peers'
+    combine buffers): the down GEMM's epilogue also does the combine's stores."""
     nkb = x_e4m3.shape[1] // fp8.BLOCK
     xs = x_scale[:, :nkb].t().contiguous()  # the GEMM reads a stage's 128 row scales as one box
     ops.expert_gemm_fp8(x_e4m3, xs, w8.fc1.q, w8.fc1.scale, sched.expert_offsets, sched.expert_counts, act, True,
                         pre_out=h, num_ctas=gemm_ctas)
     aq, as_ = ops.quantize_rows_e4m3(act, sched.expert_offsets[-1:])
     ops.expert_gemm_fp8(aq, as_, w8.fc2.q, w8.fc2.scale, sched.expert_offsets, sched.expert_counts, y_routed, False,
-                        num_ctas=gemm_ctas)
+                        num_ctas=gemm_ctas,
+                        push=None if push is None else (sched.row_src_rank, sched.row_src_slot, push))
 
 
 def routed_rows(ctx: KernelContext, sched: MoKSchedule) -> torch.Tensor:
@@ -305,6 +307,12 @@ def _shared_gate_up(x, shared_fc1, keep_gate_up: bool, gemm_ctas: int):
     return shared_act, shared_h
 
 
+def _fp8_push_enabled() -> bool:
+    """MOK_FP8_PUSH=0: the staged fp8 forward combines in a launch of its own after the down GEMM
+    instead of in its epilogue (same bits; read per call, so a benchmark can A/B it)."""
+    return os.environ.get("MOK_FP8_PUSH", "1") != "0"
+
+
 def _fwd_overlap_enabled() -> bool:
     """MOK_FWD_OVERLAP=0 keeps the staged forward's shared expert on the caller's stream (same bits;
     read per call, so a benchmark can A/B it)."""
@@ -312,11 +320,12 @@ def _fwd_overlap_enabled() -> bool:
 
 
 def _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1, *, keep_gate_up: bool, gemm_ctas=0,
-                          comm_ctas=0, fp8_weights=None, during_dispatch=None) -> KernelContext:
+                          comm_ctas=0, fp8_weights=None, during_dispatch=None, push=None) -> KernelContext:
     """Steps 1-4 of the forward. Peers may still read this rank's x buffer afterwards: the caller
     ends with a barrier before any rank rewrites it (``forward``: before the epilogue).
     during_dispatch(event): called once the dispatch is launched, with an event recorded just
-    before it (side-stream work that waits on the event can run beside the dispatch)."""
+    before it (side-stream work that waits on the event can run beside the dispatch). push (fp8:
+    the peers' combine buffers): the down GEMM also pushes the rows into their source slots."""
     T, H, cap = ws.num_tokens, ws.hidden, sched.capacity
     I = fc1.shape[1] // 2
     bf16 = dict(dtype=torch.bfloat16, device=ws.device)
@@ -344,7 +353,7 @@ def _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1, *, keep_gate_
     y_routed = torch.empty((cap, H), **bf16)
     if quant:
         _routed_experts_fp8(sched, x_e4m3, x_scale, fp8_weights or quantize_expert_weights(fc1, fc2), act, h,
-                            y_routed, gemm_ctas)
+                            y_routed, gemm_ctas, push)
         return KernelContext(None, act, y_routed, shared_act, h, shared_h, x_e4m3, x_scale)
     ops.grouped_gemm(x_routed, fc1.contiguous(), sched.expert_offsets, act, True, gemm_ctas, sched.expert_counts,
                      pre_out=h)
@@ -443,6 +452,9 @@ def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1,
     # dispatch and its down GEMM beside the combine, on the SMs those NVLink-bound launches leave
     # idle. The communication kernels are launched first, the side-stream GEMMs right after, waiting
     # on an event from just before them: the GPU gives the communication its CTAs first.
+    # fp8 (MOK_FP8_PUSH, default on): the routed down GEMM's epilogue does the combine's stores; the
+    # shared down GEMM then follows its gate/up on the side stream directly.
+    push = comb_ptrs if cfg.precision == "fp8" and _fp8_push_enabled() else None
     side = _side_stream(ws.device) if shared_fc1 is not None and _fwd_overlap_enabled() else None
     main = torch.cuda.current_stream(ws.device)
     shared = []
@@ -454,14 +466,17 @@ def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1,
 
     ctx = _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1 if side is None else None,
                                 keep_gate_up=cfg.save_gate_up, gemm_ctas=gemm_ctas, comm_ctas=comm_ctas,
-                                fp8_weights=fp8_weights, during_dispatch=shared_gate_up if side else None)
-    routed_done = _mark(side)
-    ops.combine(ctx.y_routed, sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, c.state, comb_ptrs,
-                comm_ctas)
+                                fp8_weights=fp8_weights, during_dispatch=shared_gate_up if side else None,
+                                push=push)
+    routed_done = _mark(side if push is None else None)
+    if push is None:
+        ops.combine(ctx.y_routed, sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, c.state, comb_ptrs,
+                    comm_ctas)
     shared_y = None
     if shared_fc1 is not None:
         if side is not None:
-            side.wait_event(routed_done)
+            if routed_done is not None:
+                side.wait_event(routed_done)
             with torch.cuda.stream(side):
                 shared_y = torch.empty((T, H), dtype=torch.bfloat16, device=ws.device)
                 ops.grouped_gemm(shared[0], shared_fc2.contiguous(), None, shared_y, False, gemm_ctas)

@@ -170,13 +170,17 @@ def quantize_weight_e4m3(w: torch.Tensor, swiglu: bool, transposed: bool = False
 
 
 def expert_gemm_fp8(x8, x_scale, w8, w_scale, seg_offsets, seg_counts, out, swiglu: bool, pre_out=None,
-                    num_ctas: int = 0, h=None) -> None:
+                    num_ctas: int = 0, h=None, push=None) -> None:
     """The routed GEMM of ``grouped_gemm`` (segments with real-row counts) on e4m3 operands:
     x8/x_scale from ``quantize_rows_e4m3``, w8/w_scale from ``fp8.quantize_weight`` (its ``q`` and
     ``scale``). out (and pre_out) bf16, as ``grouped_gemm`` writes them. h (the backward's
     down-projection dgrad, plain weights, e.g. fc2's transposed copy): out = dh [rows, 2 N], the
-    SwiGLU backward of the products with the pre-activations h [rows, 2 N], as ``expert_dgrad``."""
-    _ops().expert_gemm_fp8(x8, x_scale, w8, w_scale, seg_offsets, seg_counts, out, pre_out, swiglu, num_ctas, h)
+    SwiGLU backward of the products with the pre-activations h [rows, 2 N], as ``expert_dgrad``.
+    push = (row_src_rank, row_src_slot, peer_comb) (plain weights): the rows also go into their
+    source slots, the stores of ``combine``, from the epilogue."""
+    rank_of, slot_of, peers = push if push is not None else (None, None, [])
+    _ops().expert_gemm_fp8(x8, x_scale, w8, w_scale, seg_offsets, seg_counts, out, pre_out, swiglu, num_ctas, h,
+                           rank_of, slot_of, peers)
 
 
 def combine(y, row_src_rank, row_src_slot, expert_offsets, state, peer_comb: list[int], num_ctas: int = 0) -> None:

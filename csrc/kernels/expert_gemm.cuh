@@ -341,19 +341,38 @@ __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
   return v;
 }
 
+// The forward's combine done by the down projection's epilogue: each piece of a finished row also
+// goes to slot src_slot[row] of its source rank src_rank[row]'s symmetric [T * k, N] buffer (the
+// stores of combine.cu, from the staging tile instead of a second pass over the rows).
+struct RowPush {
+  const int* src_rank;
+  const int* src_slot;
+  PeerPtrs bufs;
+};
+
 // Rows of the staging tile [64 tokens][kStageStride] written by the warpgroup, then copied out as
 // 16-byte row pieces: `cols` staged columns per token (32 SwiGLU, 64 down) to dst columns
-// col0 .. col0 + cols (those < n_cols), tokens < n_real of this 64-token slice.
+// col0 .. col0 + cols (those < n_cols), tokens < n_real of this 64-token slice; push (optional):
+// also into the rows' source slots.
 __device__ __forceinline__ void flush_staging(uint32_t stg, int cols, __nv_bfloat16* dst, int64_t ld, int row0,
-                                              int col0, int n_cols, int n_real, int bar) {
+                                              int col0, int n_cols, int n_real, int bar,
+                                              const RowPush* push = nullptr) {
   warpgroup_bar_sync(bar);
   const int t = threadIdx.x % 128;
   const int vecs = cols / 8;
   for (int idx = t; idx < 64 * vecs; idx += 128) {
     const int c = idx / vecs, v = idx % vecs;
     const int col = col0 + 8 * v;
-    if (c < n_real && col < n_cols)
-      st16(dst + static_cast<int64_t>(row0 + c) * ld + col, ld_shared_v4(stg + 2 * (c * kStageStride + 8 * v)));
+    if (c < n_real && col < n_cols) {
+      const uint4 piece = ld_shared_v4(stg + 2 * (c * kStageStride + 8 * v));
+      st16(dst + static_cast<int64_t>(row0 + c) * ld + col, piece);
+      if (push != nullptr) {
+        const int src = push->src_rank[row0 + c];
+        if (src >= 0)
+          st16(static_cast<__nv_bfloat16*>(push->bufs.p[src]) + static_cast<int64_t>(push->src_slot[row0 + c]) * ld + col,
+               piece);
+      }
+    }
   }
   warpgroup_bar_sync(bar);
 }
@@ -390,9 +409,10 @@ __device__ __forceinline__ void stage_plain(uint32_t stg, const float (&acc)[128
 
 // kTok: the most token rows a task of this kernel has (its accumulators past kTok / 2 are unused);
 // kOff: the first accumulator (xgemm8::kAcc for the e4m3 tasks).
+// push (plain only, optional): the rows also go to their source slots (RowPush).
 template <bool kSwiGLU, int kTok = kMaxTok, int kOff = 0, class Ring>
 __device__ __forceinline__ void store_task(const Params& p, const Ring& sm, const Task& tk, int cw,
-                                           const float (&acc)[128]) {
+                                           const float (&acc)[128], const RowPush* push = nullptr) {
   const int t = threadIdx.x % 128;
   const int w = t / 32, lane = t % 32;
   const int bar = 2 + cw;
@@ -429,7 +449,7 @@ __device__ __forceinline__ void store_task(const Params& p, const Ring& sm, cons
         flush_staging(stg, 32, dst, round == 0 ? p.N : 2 * p.N, row0, col0, p.N, n_real, bar);
         // pre_out's column bound is N for both halves (col0 < N), the offset picks the half
       } else {
-        flush_staging(stg, 64, p.out, p.N, row0, tk.block * WM + cw * 64, p.N, n_real, bar);
+        flush_staging(stg, 64, p.out, p.N, row0, tk.block * WM + cw * 64, p.N, n_real, bar, push);
       }
     }
   }

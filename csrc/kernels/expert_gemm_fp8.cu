@@ -18,7 +18,7 @@ using xgemm8::Epilogue;
 template <Epilogue kEpi>
 __global__ void __launch_bounds__(xgemm::kThreads, 1)
     expert_gemm_fp8_kernel(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
-                           const __grid_constant__ CUtensorMap tmR, xgemm8::Params p) {
+                           const __grid_constant__ CUtensorMap tmR, const __grid_constant__ xgemm8::Params p) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   __shared__ int chunk_prefix[xgemm::kMaxSeg + 1];
   const xgemm8::Smem sm = xgemm8::carve_smem(smem_raw);
@@ -50,7 +50,8 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
           if constexpr (kEpi == Epilogue::kSwiGLUBackward)
             xgemm::store_task_swiglu_bwd<xgemm8::kMaxTok, xgemm8::kAcc>(p.g, sm, done, cw, acc, p.h, nullptr);
           else
-            xgemm::store_task<kEpi == Epilogue::kSwiGLU, xgemm8::kMaxTok, xgemm8::kAcc>(p.g, sm, done, cw, acc);
+            xgemm::store_task<kEpi == Epilogue::kSwiGLU, xgemm8::kMaxTok, xgemm8::kAcc>(
+                p.g, sm, done, cw, acc, kEpi == Epilogue::kPlainPush ? &p.push : nullptr);
         }
       });
 }
@@ -232,7 +233,8 @@ __global__ void __launch_bounds__(256) quantize_weight_e4m3_kernel(const __nv_bf
 const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, int K, const float* x_scale,
                                    int x_scale_ld, const void* w8, const float* w_scale, int nseg,
                                    const int* seg_offsets, const int* seg_counts, void* out, void* pre_out, int N,
-                                   const void* h, int num_ctas, cudaStream_t stream) {
+                                   const void* h, const int* push_rank, const int* push_slot,
+                                   const PeerPtrs* push_bufs, int num_ctas, cudaStream_t stream) {
   if (rows <= 0 || N <= 0) return nullptr;
   if (K <= 0 || K % 128) return "mok expert_gemm_fp8: K must be a positive multiple of 128 (the scale blocks)";
   if (N % 8) return "mok expert_gemm_fp8: N must be a multiple of 8";
@@ -245,6 +247,9 @@ const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, in
     return "mok expert_gemm_fp8: out, pre_out and h must start at a 16-byte aligned address (16-byte accesses)";
   if (h != nullptr && (swiglu || pre_out != nullptr))
     return "mok expert_gemm_fp8: h (the SwiGLU backward epilogue) goes with plain weights and no pre_out";
+  const bool push = push_rank != nullptr;
+  if (push && (swiglu || h != nullptr || push_slot == nullptr || push_bufs == nullptr))
+    return "mok expert_gemm_fp8: the push into source slots goes with plain weights, slots and peer buffers";
   CUtensorMap tmW, tmX, tmR;
   if (const char* m = make_tmap_e4m3_2d(&tmX, x8, rows, K, xgemm::kXBox)) return m;
   if (swiglu) {
@@ -260,9 +265,11 @@ const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, in
   p.x_scale = x_scale;
   p.x_scale_ld = x_scale_ld;
   p.h = static_cast<const __nv_bfloat16*>(h);
+  p.push = xgemm::RowPush{push_rank, push_slot, push ? *push_bufs : PeerPtrs{}};
   auto kernel = swiglu ? expert_gemm_fp8_kernel<Epilogue::kSwiGLU>
                        : (h != nullptr ? expert_gemm_fp8_kernel<Epilogue::kSwiGLUBackward>
-                                       : expert_gemm_fp8_kernel<Epilogue::kPlain>);
+                                       : (push ? expert_gemm_fp8_kernel<Epilogue::kPlainPush>
+                                               : expert_gemm_fp8_kernel<Epilogue::kPlain>));
   cudaLaunchConfig_t cfg = launch_config(xgemm::kThreads, xgemm8::kSmemBytes, stream, false, nullptr);
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, xgemm8::kSmemBytes) != cudaSuccess)
     return "mok expert_gemm_fp8: cannot raise the shared-memory limit";

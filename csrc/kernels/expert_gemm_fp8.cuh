@@ -52,9 +52,10 @@ constexpr int kSmemBytes = kOffBarriers + 2 * kStages * 8 + 1024 /* alignment */
 static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 
 // What a task's epilogue writes (expert_gemm.cuh's stores): the forward's SwiGLU (act, optional
-// pre-activations), plain rows, or the backward's SwiGLU gradient from the down projection's dgrad
-// (dh = [d_gate | d_up] from da and the forward's pre-activations h).
-enum class Epilogue { kPlain, kSwiGLU, kSwiGLUBackward };
+// pre-activations), plain rows (also pushed into their source slots: kPlainPush), or the backward's
+// SwiGLU gradient from the down projection's dgrad (dh = [d_gate | d_up] from da and the forward's
+// pre-activations h).
+enum class Epilogue { kPlain, kSwiGLU, kSwiGLUBackward, kPlainPush };
 
 struct Params {
   xgemm::Params g;        // segments, shapes, outputs (K in elements = bytes)
@@ -62,6 +63,7 @@ struct Params {
   const float* x_scale;   // [nkb][x_scale_ld]
   int x_scale_ld;
   const __nv_bfloat16* h;  // kSwiGLUBackward: the forward's pre-activations [rows, 2 N]
+  xgemm::RowPush push;     // kPlainPush: the rows' source slots (the forward's combine)
 };
 
 struct Smem {

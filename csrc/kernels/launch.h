@@ -88,10 +88,13 @@ const char* launch_grouped_gemm(bool swiglu, const void* A, int64_t a_rows, int 
 // rows). Outputs as launch_grouped_gemm's (bf16). K a multiple of 128. h (optional, plain weights
 // only): the backward's down-projection dgrad, out = dh [rows, 2 N] = the SwiGLU backward of the
 // products with the forward's pre-activations h [rows, 2 N] (launch_expert_dgrad's epilogue).
+// push_rank (optional, plain weights only): each real row also goes to slot push_slot[row] of rank
+// push_rank[row]'s buffer push_bufs (the forward's combine, launch_combine's stores, in the epilogue).
 const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, int K, const float* x_scale,
                                    int x_scale_ld, const void* w8, const float* w_scale, int nseg,
                                    const int* seg_offsets, const int* seg_counts, void* out, void* pre_out, int N,
-                                   const void* h, int num_ctas, cudaStream_t stream);
+                                   const void* h, const int* push_rank, const int* push_slot,
+                                   const PeerPtrs* push_bufs, int num_ctas, cudaStream_t stream);
 
 // x [rows, K] bf16 -> q [rows, K] e4m3 with one scale per (row, 128 columns) at
 // scale[row * scale_row_stride + kb * scale_kb_stride] (the GEMM's [kb][ld]: strides 1, ld; the

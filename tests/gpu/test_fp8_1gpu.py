@@ -259,11 +259,13 @@ def test_fp8_forward_matches_fp8_reference(kind, shape, monkeypatch):
     base = base_ctx = None
     # (path, knobs, config fields): the megakernel and the staged launches, CTA counts, minibatch
     # size; the staged repeat 3 keeps the shared expert on the caller's stream (MOK_FWD_OVERLAP=0)
+    # and combines in a launch of its own (MOK_FP8_PUSH=0), the others push from the down GEMM
     reps = [("mega", {}, {}), ("staged", {}, {}), ("mega", dict(gemm_ctas=1, comm_ctas=3), {}),
             ("staged", dict(gemm_ctas=77, comm_ctas=1), {}), ("mega", dict(gemm_ctas=5), dict(minibatch_rows=128)),
             ("mega", {}, dict(fwd_comm_sms=1, minibatch_rows=4096))]
     for rep, (path, knobs, fields) in enumerate(reps):
         monkeypatch.setenv("MOK_FWD_OVERLAP", "0" if rep == 3 else "1")
+        monkeypatch.setenv("MOK_FP8_PUSH", "0" if rep == 3 else "1")
         out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=DEV)
         out, ctx = _kp().forward(dataclasses.replace(cfg, **fields), ws, sched, x, probs, fc1,
                                  fc2, sfc1, sfc2, out=out, fp8_weights=w8 if rep % 2 == 0 else None, path=path,
