@@ -135,7 +135,8 @@ struct Params {
 // The fp8 instance's ring: the token-major ring's bytes as 6 stages of 32 KB (the e4m3 tasks'
 // 128 weight rows and <= 128 token rows of 128 K, or the shared expert's bf16 tasks of <= 128 rows
 // and 64 K), the e4m3 stages' token scales, barriers and stage tags in a tail after the staging
-// tiles (the 6 stages of the staged e4m3 kernel: 4 made its tasks 6-9% slower, call 2).
+// tiles (the 6 stages of the staged e4m3 kernel; against 4 the layer time moved within the noise,
+// docs/KERNELS.md ninth session, calls 2-3).
 struct E4M3Ring {
   static constexpr int kStages = xgemm8::kStages;
   static constexpr int kStageBytes = xgemm8::kWBytes + xgemm8::kXBytes;
