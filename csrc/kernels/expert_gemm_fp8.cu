@@ -14,20 +14,22 @@ namespace {
 
 using xgemm8::Epilogue;
 
-// Persistent CTAs walk the expert-major tasks round-robin (expert_gemm_kernel's order).
-template <Epilogue kEpi>
+// Persistent CTAs walk the expert-major tasks round-robin (expert_gemm_kernel's order), tasks of
+// <= kChunk token rows: 256 (the bf16 tasks' chunks; one chunk per expert of <= 256 rows reads its
+// weights once) or 128 (MOK_FP8_TASK_ROWS=128: the earlier chunks, same bits).
+template <Epilogue kEpi, int kChunk>
 __global__ void __launch_bounds__(xgemm::kThreads, 1)
     expert_gemm_fp8_kernel(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
                            const __grid_constant__ CUtensorMap tmR, const __grid_constant__ xgemm8::Params p) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   __shared__ int chunk_prefix[xgemm::kMaxSeg + 1];
   const xgemm8::Smem sm = xgemm8::carve_smem(smem_raw);
-  if (threadIdx.x < 32) xgemm::build_chunk_prefix<xgemm8::kMaxTok>(p.g, chunk_prefix);
-  gemm::init_ring_barriers(sm, xgemm8::kStages);
+  if (threadIdx.x < 32) xgemm::build_chunk_prefix<kChunk>(p.g, chunk_prefix);
+  gemm::init_ring_barriers(sm, xgemm8::kWideStages);
   __syncthreads();
   const int tasks = xgemm::num_tasks(p.g, chunk_prefix);
   const int nk = xgemm8::k_blocks(p.g.K);
-  gemm::run_roles(
+  gemm::run_roles<24, 240>(
       [&] {
         tma_prefetch_desc(&tmW);
         tma_prefetch_desc(&tmX);
@@ -39,18 +41,18 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
       },
       [] {},
       [&](int cw) {
-        float acc[128];
+        float acc[128], sum[64];
         uint32_t it = 0;
         for (int u = blockIdx.x; u < tasks; u += gridDim.x) {
           const xgemm::Task t = xgemm::decode(p.g, chunk_prefix, u);
           const float* ws = p.w_scale + ((int64_t)t.seg * p.g.n_blocks + t.block) * nk;
-          xgemm8::mma_task_any(p.g, sm, cw, acc, it, t.n_tok, ws);
+          xgemm8::mma_task_wide_any<kChunk>(p.g, sm, cw, acc, sum, it, t.n_tok, ws);
           // decoded again: keeping the task live through the main loop costs registers
           const xgemm::Task done = xgemm::decode(p.g, chunk_prefix, u);
           if constexpr (kEpi == Epilogue::kSwiGLUBackward)
-            xgemm::store_task_swiglu_bwd<xgemm8::kMaxTok, xgemm8::kAcc>(p.g, sm, done, cw, acc, p.h, nullptr);
+            xgemm::store_task_swiglu_bwd<kChunk, 0>(p.g, sm, done, cw, acc, p.h, nullptr);
           else
-            xgemm::store_task<kEpi == Epilogue::kSwiGLU, xgemm8::kMaxTok, xgemm8::kAcc>(
+            xgemm::store_task<kEpi == Epilogue::kSwiGLU, kChunk, 0>(
                 p.g, sm, done, cw, acc, kEpi == Epilogue::kPlainPush ? &p.push : nullptr);
         }
       });
@@ -228,6 +230,16 @@ __global__ void __launch_bounds__(256) quantize_weight_e4m3_kernel(const __nv_bf
   }
 }
 
+template <int kChunk>
+decltype(&expert_gemm_fp8_kernel<Epilogue::kPlain, kChunk>) pick_kernel(Epilogue e) {
+  switch (e) {
+    case Epilogue::kSwiGLU: return expert_gemm_fp8_kernel<Epilogue::kSwiGLU, kChunk>;
+    case Epilogue::kSwiGLUBackward: return expert_gemm_fp8_kernel<Epilogue::kSwiGLUBackward, kChunk>;
+    case Epilogue::kPlainPush: return expert_gemm_fp8_kernel<Epilogue::kPlainPush, kChunk>;
+    default: return expert_gemm_fp8_kernel<Epilogue::kPlain, kChunk>;
+  }
+}
+
 }  // namespace
 
 const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, int K, const float* x_scale,
@@ -258,7 +270,7 @@ const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, in
     return m;
   }
   const int nkb = xgemm8::k_blocks(K);
-  if (const char* m = make_tmap_f32_rows(&tmR, x_scale, nkb, x_scale_ld, x_scale_ld, xgemm8::kMaxTok)) return m;
+  if (const char* m = make_tmap_f32_rows(&tmR, x_scale, nkb, x_scale_ld, x_scale_ld, xgemm8::kWideTok)) return m;
   xgemm8::Params p;
   p.g = xgemm::make_params(seg_offsets, seg_counts, nseg, static_cast<int>(rows), K, N, swiglu, out, pre_out);
   p.w_scale = w_scale;
@@ -266,14 +278,17 @@ const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, in
   p.x_scale_ld = x_scale_ld;
   p.h = static_cast<const __nv_bfloat16*>(h);
   p.push = xgemm::RowPush{push_rank, push_slot, push ? *push_bufs : PeerPtrs{}};
-  auto kernel = swiglu ? expert_gemm_fp8_kernel<Epilogue::kSwiGLU>
-                       : (h != nullptr ? expert_gemm_fp8_kernel<Epilogue::kSwiGLUBackward>
-                                       : (push ? expert_gemm_fp8_kernel<Epilogue::kPlainPush>
-                                               : expert_gemm_fp8_kernel<Epilogue::kPlain>));
+  const Epilogue epi = swiglu ? Epilogue::kSwiGLU
+                               : (h != nullptr ? Epilogue::kSwiGLUBackward : (push ? Epilogue::kPlainPush : Epilogue::kPlain));
+  const char* task_rows = getenv("MOK_FP8_TASK_ROWS");
+  const bool narrow = task_rows != nullptr && atoi(task_rows) == 128;
+  if (task_rows != nullptr && !narrow && atoi(task_rows) != xgemm8::kWideTok)
+    return "mok expert_gemm_fp8: MOK_FP8_TASK_ROWS must be 128 or 256";
+  const auto kernel = narrow ? pick_kernel<128>(epi) : pick_kernel<xgemm8::kWideTok>(epi);
   cudaLaunchConfig_t cfg = launch_config(xgemm::kThreads, xgemm8::kSmemBytes, stream, false, nullptr);
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, xgemm8::kSmemBytes) != cudaSuccess)
     return "mok expert_gemm_fp8: cannot raise the shared-memory limit";
-  const int64_t max_tasks = ((int64_t)nseg + rows / xgemm8::kMaxTok + 1) * p.g.n_blocks;
+  const int64_t max_tasks = ((int64_t)nseg + rows / (narrow ? 128 : xgemm8::kWideTok) + 1) * p.g.n_blocks;
   const int ctas = num_ctas > 0 ? num_ctas : num_sms();
   cfg.gridDim = dim3(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ctas, max_tasks))));
   return launch_ex(cfg, kernel, tmW, tmX, tmR, p);

@@ -39,16 +39,25 @@ namespace mok {
 namespace xgemm8 {
 
 using xgemm::WM;
-constexpr int kMaxTok = 128;                  // token rows per task (accumulators + block sums: 128 registers)
 constexpr int BK = 128;                       // K per stage: one 128-byte swizzle row of e4m3
-constexpr int kStages = 6;
 constexpr int kWBytes = WM * BK;              // 16 KB
+// The megakernel's e4m3 tasks (its E4M3Ring): <= 128 token rows, both register sets in one
+// 128-register array (kAcc).
+constexpr int kMaxTok = 128;
+constexpr int kStages = 6;
 constexpr int kXBytes = kMaxTok * BK;         // 16 KB
 constexpr int kRBytes = kMaxTok * 4;          // the stage's token scales (128 fp32)
-constexpr int kOffStaging = kStages * (kWBytes + kXBytes);
+// The staged launches' wide tasks: <= 256 token rows (xgemm::kMaxTok, the bf16 tasks' chunks), the
+// fp32 sums in a 128-register array (the bf16 layout, read by the epilogues at offset 0) and the
+// block sums of one <= 128-token slice in a second, 64-register array.
+constexpr int kWideTok = xgemm::kMaxTok;
+constexpr int kWideStages = 4;
+constexpr int kWideXBytes = kWideTok * BK;    // 32 KB
+constexpr int kWideRBytes = kWideTok * 4;     // 1 KB
+constexpr int kOffStaging = kWideStages * (kWBytes + kWideXBytes);
 constexpr int kOffScales = kOffStaging + 2 * xgemm::kStageBytesPerWG;
-constexpr int kOffBarriers = kOffScales + kStages * kRBytes;
-constexpr int kSmemBytes = kOffBarriers + 2 * kStages * 8 + 1024 /* alignment */;
+constexpr int kOffBarriers = kOffScales + kWideStages * kWideRBytes;
+constexpr int kSmemBytes = kOffBarriers + 2 * kWideStages * 8 + 1024 /* alignment */;
 static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 
 // What a task's epilogue writes (expert_gemm.cuh's stores): the forward's SwiGLU (act, optional
@@ -67,14 +76,15 @@ struct Params {
 };
 
 struct Smem {
-  static constexpr int kStages = xgemm8::kStages;
+  static constexpr int kStages = kWideStages;
+  static constexpr int kScaleBytes = kWideRBytes;
   uint8_t* base;
   __device__ __forceinline__ uint8_t* w(int s) const { return base + s * kWBytes; }
-  __device__ __forceinline__ uint8_t* x(int s) const { return base + kStages * kWBytes + s * kXBytes; }
+  __device__ __forceinline__ uint8_t* x(int s) const { return base + kStages * kWBytes + s * kWideXBytes; }
   __device__ __forceinline__ __nv_bfloat16* staging(int cw) const {
     return reinterpret_cast<__nv_bfloat16*>(base + kOffStaging) + cw * (64 * xgemm::kStageStride);
   }
-  __device__ __forceinline__ uint8_t* scales(int s) const { return base + kOffScales + s * kRBytes; }
+  __device__ __forceinline__ uint8_t* scales(int s) const { return base + kOffScales + s * kWideRBytes; }
   __device__ __forceinline__ uint64_t* full(int s) const { return reinterpret_cast<uint64_t*>(base + kOffBarriers) + s; }
   __device__ __forceinline__ uint64_t* empty(int s) const { return full(kStages + s); }
 };
@@ -85,7 +95,8 @@ __device__ __forceinline__ Smem carve_smem(uint8_t* raw) {
 
 __host__ __device__ constexpr int k_blocks(int K) { return (K + BK - 1) / BK; }
 
-// Producer thread: per stage the weight tile, the task's token rows and their scales of block kb.
+// Producer thread: per stage the weight tile, the task's token rows and their scales of block kb
+// (one TMA box of Ring::kScaleBytes from row0: 128 or 256 fp32).
 // `Ring` gives the stages (w(s), x(s), scales(s)) and their barriers (the megakernel's E4M3Ring,
 // kWatch: waits under the watchdog, and `tag` goes to stage_tag[s] of the task's first stage before
 // it is armed).
@@ -102,7 +113,7 @@ __device__ __forceinline__ void produce_task(const xgemm::Params& g, const CUten
     const int s = it % Ring::kStages;
     gemm::ring_wait<kWatch>(sm.empty(s), ((it / Ring::kStages) & 1) ^ 1, w);
     if (stage_tag != nullptr && kb == 0) stage_tag[s] = tag;
-    mbar_arrive_expect_tx(sm.full(s), kWBytes + nbox * xgemm::kXBox * BK + kRBytes);
+    mbar_arrive_expect_tx(sm.full(s), kWBytes + nbox * xgemm::kXBox * BK + Ring::kScaleBytes);
     if constexpr (kSwiGLU)
       tma_load_4d(sm.w(s), tmW, sm.full(s), kb * BK, 0, 0, wcoord);
     else
@@ -152,22 +163,23 @@ __device__ __forceinline__ float2 ld_shared_f2(uint32_t addr) {
   return v;
 }
 
-// acc[kAcc ..] (tokens 8 g + 2 q + h of the layout in expert_gemm.cuh) += sum * wscale * xs[token],
-// sum = acc[0 ..], xs the stage's token scales in shared memory.
-template <int N>
-__device__ __forceinline__ void promote(float (&acc)[128], float wscale, uint32_t xs) {
+// dst[kDst ..] (tokens 8 g + 2 q + h of the layout in expert_gemm.cuh, from the slice's first) +=
+// sum * wscale * xs[token], sum = src[0 ..] (the block sums), xs the slice's token scales in
+// shared memory. src and dst may be one array (the megakernel's tasks: kDst = kAcc).
+template <int N, int kDst, int kSrc>
+__device__ __forceinline__ void promote(float (&dst)[128], float (&src)[kSrc], float wscale, uint32_t xs) {
 #pragma unroll
-  for (int i = 0; i < N / 2; ++i) asm volatile("" : "+f"(acc[i])::"memory");  // after the wgmma wait
+  for (int i = 0; i < N / 2; ++i) asm volatile("" : "+f"(src[i])::"memory");  // after the wgmma wait
   const int q = (threadIdx.x % 32) % 4;
 #pragma unroll
   for (int g = 0; g < N / 8; ++g) {
     const float2 r = ld_shared_f2(xs + 4 * (8 * g + 2 * q));
     const float s0 = r.x * wscale, s1 = r.y * wscale;
-    float* a = acc + kAcc + 4 * g;
-    a[0] = fmaf(acc[4 * g], s0, a[0]);
-    a[1] = fmaf(acc[4 * g + 1], s1, a[1]);
-    a[2] = fmaf(acc[4 * g + 2], s0, a[2]);
-    a[3] = fmaf(acc[4 * g + 3], s1, a[3]);
+    float* a = dst + kDst + 4 * g;
+    a[0] = fmaf(src[4 * g], s0, a[0]);
+    a[1] = fmaf(src[4 * g + 1], s1, a[1]);
+    a[2] = fmaf(src[4 * g + 2], s0, a[2]);
+    a[3] = fmaf(src[4 * g + 3], s1, a[3]);
   }
 }
 
@@ -195,7 +207,7 @@ __device__ __forceinline__ void mma_task(const xgemm::Params& g, const Ring& sm,
     }
     wgmma_commit();
     wgmma_wait<0>();
-    promote<N>(acc, wscale, smem_u32(sm.scales(s)));
+    promote<N, kAcc>(acc, acc, wscale, smem_u32(sm.scales(s)));
     gemm::release_stage<false>(sm.empty(s));
   }
   fence_regs(acc);
@@ -212,6 +224,73 @@ __device__ __forceinline__ void mma_task_any(const xgemm::Params& g, const Ring&
     break;
     MOK_XGEMM8_CASE(1) MOK_XGEMM8_CASE(2) MOK_XGEMM8_CASE(3) MOK_XGEMM8_CASE(4) MOK_XGEMM8_CASE(5)
     MOK_XGEMM8_CASE(6) MOK_XGEMM8_CASE(7) MOK_XGEMM8_CASE(8)
+#undef MOK_XGEMM8_CASE
+    default:
+      break;
+  }
+}
+
+// A wide task's block sums: wgmma m64 nN k32 into sum[0 .. N / 2).
+template <int N, size_t... Is>
+__device__ __forceinline__ void wgmma_sum(float (&sum)[64], uint64_t da, uint64_t db, bool accumulate,
+                                          std::index_sequence<Is...>) {
+  Atom<N>::type::fma(da, db, sum[Is]...,
+                     accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+
+// Slice j (tokens 128 j .. 128 j + N - 1) of a wide task's stage s: its four k32 steps summed afresh
+// into sum, waited for, promoted into acc[64 j ..].
+template <int N, int j, class Ring>
+__device__ __forceinline__ void mma_slice(const Ring& sm, int s, int cw, float (&acc)[128], float (&sum)[64],
+                                          float wscale, const float* ws) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < BK / 32; ++kk) {
+    const uint64_t da = wgmma_desc_sw128(sm.w(s) + cw * (WM / 2) * 128 + kk * 32);
+    const uint64_t db = wgmma_desc_sw128(sm.x(s) + j * 128 * BK + kk * 32);
+    // a runtime flag for the fresh start, as in mma_task (a constant one: C7511)
+    wgmma_sum<N>(sum, da, db, kk > 0 || ws == nullptr, std::make_index_sequence<N / 2>{});
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  promote<N, 64 * j>(acc, sum, wscale, smem_u32(sm.scales(s)) + 4 * 128 * j);
+}
+
+// Consumer warpgroup `cw` of a wide task (N = 16 .. 256 token rows): per stage the slices of
+// tokens 0 .. 127 and 128 .. N - 1, each summed, waited for and promoted while the other
+// warpgroup's wgmmas run. acc holds the result in the bf16 tasks' layout (store_task at offset 0);
+// every element is still its k-blocks' promoted sums in ascending order (the 128-token tasks' bits).
+template <int N, class Ring>
+__device__ __forceinline__ void mma_task_wide(const xgemm::Params& g, const Ring& sm, int cw, float (&acc)[128],
+                                              float (&sum)[64], uint32_t& it, const float* ws) {
+  constexpr int N0 = N < 128 ? N : 128, N1 = N - N0;
+  const int nk = k_blocks(g.K);
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
+  for (int kb = 0; kb < nk; ++kb, ++it) {
+    const int s = it % Ring::kStages;
+    const float wscale = __ldg(ws + kb);
+    gemm::ring_wait<false>(sm.full(s), (it / Ring::kStages) & 1, nullptr);
+    mma_slice<N0, 0>(sm, s, cw, acc, sum, wscale, ws);
+    if constexpr (N1 > 0) mma_slice<N1, 1>(sm, s, cw, acc, sum, wscale, ws);
+    gemm::release_stage<false>(sm.empty(s));
+  }
+  fence_regs(acc);
+}
+
+// kChunk: the most token rows a task of the launch has (256, or 128: MOK_FP8_TASK_ROWS).
+template <int kChunk, class Ring>
+__device__ __forceinline__ void mma_task_wide_any(const xgemm::Params& g, const Ring& sm, int cw, float (&acc)[128],
+                                                  float (&sum)[64], uint32_t& it, int n_tok, const float* ws) {
+  switch (n_tok / xgemm::kTokAlign) {
+#define MOK_XGEMM8_CASE(U)                                                                            \
+  case U:                                                                                            \
+    if constexpr (U * xgemm::kTokAlign <= kChunk) mma_task_wide<U * xgemm::kTokAlign>(g, sm, cw, acc, sum, it, ws); \
+    break;
+    MOK_XGEMM8_CASE(1) MOK_XGEMM8_CASE(2) MOK_XGEMM8_CASE(3) MOK_XGEMM8_CASE(4) MOK_XGEMM8_CASE(5)
+    MOK_XGEMM8_CASE(6) MOK_XGEMM8_CASE(7) MOK_XGEMM8_CASE(8) MOK_XGEMM8_CASE(9) MOK_XGEMM8_CASE(10)
+    MOK_XGEMM8_CASE(11) MOK_XGEMM8_CASE(12) MOK_XGEMM8_CASE(13) MOK_XGEMM8_CASE(14) MOK_XGEMM8_CASE(15)
+    MOK_XGEMM8_CASE(16)
 #undef MOK_XGEMM8_CASE
     default:
       break;

@@ -139,6 +139,7 @@ struct Params {
 // docs/KERNELS.md ninth session, calls 2-3).
 struct E4M3Ring {
   static constexpr int kStages = xgemm8::kStages;
+  static constexpr int kScaleBytes = xgemm8::kRBytes;
   static constexpr int kStageBytes = xgemm8::kWBytes + xgemm8::kXBytes;
   static constexpr int kTailBytes = kStages * (xgemm8::kRBytes + 2 * 8 + 4);
   uint8_t* base;  // 1024-aligned
