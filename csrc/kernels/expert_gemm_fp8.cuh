@@ -230,65 +230,51 @@ __device__ __forceinline__ void mma_task_any(const xgemm::Params& g, const Ring&
   }
 }
 
-// A wide task's block sums of one 64-token slice: wgmma m64 nN k32 into sum[0 .. N / 2).
+// A wide task's block sums: wgmma m64 nN k32 into sum[0 .. N / 2).
 template <int N, size_t... Is>
-__device__ __forceinline__ void wgmma_sum(float (&sum)[32], uint64_t da, uint64_t db, bool accumulate,
+__device__ __forceinline__ void wgmma_sum(float (&sum)[64], uint64_t da, uint64_t db, bool accumulate,
                                           std::index_sequence<Is...>) {
   Atom<N>::type::fma(da, db, sum[Is]...,
                      accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
 }
 
-// Token rows of slice j of an N-token task (64 each, the last one the rest).
-template <int N, int j>
-constexpr int kSliceTok = N - 64 * j < 64 ? N - 64 * j : 64;
-
-// Issue slice j (tokens 64 j ..) of stage s: its four k32 steps summed afresh into sum, one group.
+// Slice j (tokens 128 j .. 128 j + N - 1) of a wide task's stage s: its four k32 steps summed afresh
+// into sum, waited for, promoted into acc[64 j ..].
 template <int N, int j, class Ring>
-__device__ __forceinline__ void issue_slice(const Ring& sm, int s, int cw, float (&sum)[32], const float* ws) {
+__device__ __forceinline__ void mma_slice(const Ring& sm, int s, int cw, float (&acc)[128], float (&sum)[64],
+                                          float wscale, const float* ws) {
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < BK / 32; ++kk) {
     const uint64_t da = wgmma_desc_sw128(sm.w(s) + cw * (WM / 2) * 128 + kk * 32);
-    const uint64_t db = wgmma_desc_sw128(sm.x(s) + j * 64 * BK + kk * 32);
+    const uint64_t db = wgmma_desc_sw128(sm.x(s) + j * 128 * BK + kk * 32);
     // a runtime flag for the fresh start, as in mma_task (a constant one: C7511)
-    wgmma_sum<kSliceTok<N, j>>(sum, da, db, kk > 0 || ws == nullptr, std::make_index_sequence<kSliceTok<N, j> / 2>{});
+    wgmma_sum<N>(sum, da, db, kk > 0 || ws == nullptr, std::make_index_sequence<N / 2>{});
   }
   wgmma_commit();
+  wgmma_wait<0>();
+  promote<N, 64 * j>(acc, sum, wscale, smem_u32(sm.scales(s)) + 4 * 128 * j);
 }
 
-// Slices j .. of stage s, with slices j and j + 1 in flight (sums[j % 2], sums[(j + 1) % 2]): wait
-// for slice j, promote it into acc[32 j ..], reuse its sums for slice j + 2.
-template <int N, int j, class Ring>
-__device__ __forceinline__ void finish_slices(const Ring& sm, int s, int cw, float (&acc)[128], float (&s0)[32],
-                                              float (&s1)[32], float wscale, const float* ws) {
-  constexpr int kSlices = (N + 63) / 64;
-  if constexpr (j < kSlices) {
-    if constexpr (j + 1 < kSlices) wgmma_wait<1>(); else wgmma_wait<0>();
-    promote<kSliceTok<N, j>, 32 * j>(acc, s0, wscale, smem_u32(sm.scales(s)) + 4 * 64 * j);
-    if constexpr (j + 2 < kSlices) issue_slice<N, j + 2>(sm, s, cw, s0, ws);
-    finish_slices<N, j + 1>(sm, s, cw, acc, s1, s0, wscale, ws);
-  }
-}
-
-// Consumer warpgroup `cw` of a wide task (N = 16 .. 256 token rows): per stage its 64-token slices,
-// two in flight at a time (two 32-register block-sum arrays), each promoted while the next one's
-// wgmmas run. acc holds the result in the bf16 tasks' layout (store_task at offset 0); every
-// element is still its k-blocks' promoted sums in ascending order (the 128-token tasks' bits).
+// Consumer warpgroup `cw` of a wide task (N = 16 .. 256 token rows): per stage the slices of
+// tokens 0 .. 127 and 128 .. N - 1, each summed, waited for and promoted while the other
+// warpgroup's wgmmas run. acc holds the result in the bf16 tasks' layout (store_task at offset 0);
+// every element is still its k-blocks' promoted sums in ascending order (the 128-token tasks' bits).
 template <int N, class Ring>
 __device__ __forceinline__ void mma_task_wide(const xgemm::Params& g, const Ring& sm, int cw, float (&acc)[128],
                                               float (&sum)[64], uint32_t& it, const float* ws) {
+  constexpr int N0 = N < 128 ? N : 128, N1 = N - N0;
   const int nk = k_blocks(g.K);
-  float(&s0)[32] = *reinterpret_cast<float(*)[32]>(&sum[0]);
-  float(&s1)[32] = *reinterpret_cast<float(*)[32]>(&sum[32]);
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
+  float wscale_next = __ldg(ws);  // one block ahead: the load's latency stalled the promotion (ncu)
   for (int kb = 0; kb < nk; ++kb, ++it) {
     const int s = it % Ring::kStages;
-    const float wscale = __ldg(ws + kb);
+    const float wscale = wscale_next;
+    if (kb + 1 < nk) wscale_next = __ldg(ws + kb + 1);
     gemm::ring_wait<false>(sm.full(s), (it / Ring::kStages) & 1, nullptr);
-    issue_slice<N, 0>(sm, s, cw, s0, ws);
-    if constexpr (N > 64) issue_slice<N, 1>(sm, s, cw, s1, ws);
-    finish_slices<N, 0>(sm, s, cw, acc, s0, s1, wscale, ws);
+    mma_slice<N0, 0>(sm, s, cw, acc, sum, wscale, ws);
+    if constexpr (N1 > 0) mma_slice<N1, 1>(sm, s, cw, acc, sum, wscale, ws);
     gemm::release_stage<false>(sm.empty(s));
   }
   fence_regs(acc);
