@@ -49,6 +49,7 @@ constexpr int kWBytes = WM * BK * 2;        // 16 KB
 constexpr int kXBytes = kMaxTok * BK * 2;   // 32 KB
 constexpr int kStageStride = 72;            // epilogue staging row: 64 columns + 8 (bank spread)
 constexpr int kStageBytesPerWG = 64 * kStageStride * 2;  // 64 tokens
+static_assert(kStageStride >= 64 + 4, "a staging row's padding holds a push's (rank, slot)");
 constexpr int kMaxSeg = 512;      // experts per launch (task prefix kept in shared memory)
 // dynamic shared memory; the chunk prefix ([kMaxSeg + 1] ints) is static shared memory of the kernel
 constexpr int kSmemBytes = kStages * (kWBytes + kXBytes) + 2 * kStageBytesPerWG + 2 * kStages * 8 + 1024 /* alignment */;
@@ -334,6 +335,16 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t
                  : "memory");
 }
 
+__device__ __forceinline__ int2 ld_shared_v2i(uint32_t addr) {
+  int2 v;
+  asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_shared_v2(uint32_t addr, int x, int y) {
+  asm volatile("st.shared.v2.b32 [%0], {%1, %2};" ::"r"(addr), "r"(x), "r"(y) : "memory");
+}
+
 __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr)
@@ -353,12 +364,19 @@ struct RowPush {
 // Rows of the staging tile [64 tokens][kStageStride] written by the warpgroup, then copied out as
 // 16-byte row pieces: `cols` staged columns per token (32 SwiGLU, 64 down) to dst columns
 // col0 .. col0 + cols (those < n_cols), tokens < n_real of this 64-token slice; push (optional):
-// also into the rows' source slots.
+// also into the rows' source slots. Their (rank, slot) are loaded once a row, by the first 64
+// threads before the barrier, into the row's padding (columns 64 ..): a store that waited for its
+// own two index loads cost ~6 us per e4m3 down task (tenth session).
 __device__ __forceinline__ void flush_staging(uint32_t stg, int cols, __nv_bfloat16* dst, int64_t ld, int row0,
                                               int col0, int n_cols, int n_real, int bar,
                                               const RowPush* push = nullptr) {
-  warpgroup_bar_sync(bar);
   const int t = threadIdx.x % 128;
+  if (push != nullptr && t < 64) {
+    const bool real = t < n_real;
+    st_shared_v2(stg + 2 * (t * kStageStride + 64), real ? push->src_rank[row0 + t] : -1,
+                 real ? push->src_slot[row0 + t] : 0);
+  }
+  warpgroup_bar_sync(bar);
   const int vecs = cols / 8;
   for (int idx = t; idx < 64 * vecs; idx += 128) {
     const int c = idx / vecs, v = idx % vecs;
@@ -367,10 +385,9 @@ __device__ __forceinline__ void flush_staging(uint32_t stg, int cols, __nv_bfloa
       const uint4 piece = ld_shared_v4(stg + 2 * (c * kStageStride + 8 * v));
       st16(dst + static_cast<int64_t>(row0 + c) * ld + col, piece);
       if (push != nullptr) {
-        const int src = push->src_rank[row0 + c];
-        if (src >= 0)
-          st16(static_cast<__nv_bfloat16*>(push->bufs.p[src]) + static_cast<int64_t>(push->src_slot[row0 + c]) * ld + col,
-               piece);
+        const int2 rs = ld_shared_v2i(stg + 2 * (c * kStageStride + 64));
+        if (rs.x >= 0)
+          st16(static_cast<__nv_bfloat16*>(push->bufs.p[rs.x]) + static_cast<int64_t>(rs.y) * ld + col, piece);
       }
     }
   }
