@@ -263,6 +263,10 @@ __device__ __forceinline__ bool mbar_wait_watch(uint64_t* bar, uint32_t parity, 
 
 // ---- TMA ------------------------------------------------------------------------------------
 
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<uint64_t>(p)) : "memory");
+}
+
 __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }

@@ -505,6 +505,16 @@ __device__ __forceinline__ void store_task_swiglu_bwd(const Params& p, const Rin
     if (64 * sl >= tk.n_tok) break;
     const int row0 = tk.row0 + 64 * sl;
     const int n_real = tk.n_real - 64 * sl;
+    // the slice's pre-activations into L2 first: below, each piece's loads come right before its
+    // stores, one after another (holding them in registers spills next to the accumulators)
+    for (int idx = t; idx < 64 * 8; idx += 128) {
+      const int c = idx / 8, col = col0 + 8 * (idx % 8);
+      const int hr = (c < n_real && col < p.N) ? (trow != nullptr ? trow[row0 + c] : row0 + c) : -1;
+      if (hr >= 0) {
+        prefetch_l2(h + hr * ld + col);
+        prefetch_l2(h + hr * ld + p.N + col);
+      }
+    }
     stage_plain<kOff>(stg, acc, sl, w, lane);
     warpgroup_bar_sync(bar);
     for (int idx = t; idx < 64 * 8; idx += 128) {

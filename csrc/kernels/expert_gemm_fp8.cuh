@@ -1,11 +1,13 @@
 // Block-scaled e4m3 variant of the expert-major grouped GEMM (expert_gemm.cuh): the routed
 // experts' forward GEMMs with FP8 operands and fp32 accumulation.
 //
-// Why: the bf16 tasks run at the rate their operands enter the SM (~45-55 GB/s per SM measured),
-// not at the MMA rate. An e4m3 stage of 128 K holds 128 weight rows and 128 token rows of 128
-// bytes (32 KB) for 4.2 MFLOP: 0.67x the bytes per FLOP of the bf16 128 x 256 tile, and wgmma's
-// e4m3 rate is twice bf16's. Measured (docs/KERNELS.md, seventh session): the tasks run at the same
-// ~46 GB/s per SM of operand feed, ~1.3x the bf16 rate at DeepSeek-V3 EP=2 T=4096.
+// Why: per stage of 128 K a task of 128 weight rows and N token rows moves (128 + N) x 128 bytes
+// for 2 x 128 x N x 128 FLOP; wgmma's e4m3 rate is twice bf16's. The staged launches' tasks hold
+// up to 256 token rows (one chunk per expert of <= 256 rows: its weights are read once); the
+// megakernel's up to 128 (its consumers have 128 registers for both register sets).
+// Measured (docs/KERNELS.md, tenth session): 256-row tasks 3-14% faster than 128-row ones over the
+// five shapes; the tasks run the tensor pipe at ~41% (ncu), bound by the wait-and-promote loop of
+// each warpgroup rather than by operand ingest.
 //
 // Scaling (the usual fine-grained recipe, as DeepSeek-V3 trains with it):
 // - tokens: one fp32 scale per (row, 128 columns of K); x ~= q * s;
@@ -16,14 +18,15 @@
 // each 128-K block is summed afresh by the tensor cores into a second register set and added to
 // the fp32 accumulators by the CUDA cores, times its scales (CUTLASS's default fp8 mainloop and
 // DeepGEMM do the same); one warpgroup promotes while the other's wgmmas run. Measured: the
-// results equal the bf16 rounding of the exact products of the e4m3 operands. Accumulators plus
-// block sums must fit the 128 registers the bf16 kernels give their accumulators (ptxas
-// allocates the consumers within the launch's 168 a thread), so a task holds at most 128 token
-// rows (experts split into chunks of <= 128 rows); the result sits in the upper half (kAcc).
+// results equal the bf16 rounding of the exact products of the e4m3 operands.
+// Register sets: a megakernel task (<= 128 tokens) keeps both in one 128-register array (block sums
+// in the lower half, the result in the upper half: kAcc); a wide task (<= 256 tokens, the staged
+// launches) keeps the result in a 128-register array (the bf16 layout) and the block sums of one
+// 128-token slice in a 64-register array, with 240 registers a consumer thread.
 //
 // Operands (all K-major, as wgmma e4m3 requires):
-// - X8 [rows, K] e4m3 with XS [K / 128][x_scale_ld] fp32 (transposed: a stage's 128 token scales
-//   are one 512-byte TMA box);
+// - X8 [rows, K] e4m3 with XS [K / 128][x_scale_ld] fp32 (transposed: a stage's 128 or 256 token
+//   scales are one TMA box);
 // - W8 [nseg * w_rows, K] e4m3 with WS [nseg][n_blocks][K / 128] fp32.
 // The backward's dgrads run on the same tasks with the weights' transposed e4m3 copies
 // (quantize_weight_e4m3's q_t: the same 128 x 128 tiles and scales, so K is the forward's output
