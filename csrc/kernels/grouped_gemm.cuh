@@ -131,7 +131,7 @@ __device__ __forceinline__ void init_ring_barriers(const Ring& sm, int stages) {
 // spills the paired producer's pair bookkeeping, and the megakernels' pusher warps), its thread 0
 // produces and its warps 1-3 run help() (the megakernels' pushers; nothing elsewhere); warpgroups
 // 1 and 2 take 224 and consume (consume(cw), cw = 0 or 1). The staged e4m3 kernel's wide tasks
-// (two register sets, 192 registers) take 232 with a 40-register producer.
+// (two register sets, 192 registers) take 240 with a 24-register producer (56/224 spilled).
 template <int kProducerRegs = 56, int kConsumerRegs = 224, class Produce, class Help, class Consume>
 __device__ __forceinline__ void run_roles(Produce produce, Help help, Consume consume) {
   static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536, "the register file");
