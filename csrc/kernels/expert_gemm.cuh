@@ -29,6 +29,7 @@
 
 #include <cute/arch/mma_sm90_gmma.hpp>
 #include <cute/arch/mma_sm90_gmma_ext.hpp>
+#include <type_traits>
 #include <utility>
 
 #include "common.cuh"
@@ -291,17 +292,14 @@ __device__ __forceinline__ void skip_task(const Params& p, const Ring& sm, uint3
   }
 }
 
-// The task's N as a template argument (N = 16 .. 16 kMaxUnits: tasks of at most that many rows;
-// the fp8 megakernel's bf16 tasks keep to 128, so that no wgmma accumulates into the registers
-// its e4m3 tasks promote into).
-template <bool kWatch = false, bool kPaired = false, bool kWMN = false, int kMaxUnits = kMaxTok / kTokAlign,
-          class Ring>
-__device__ __forceinline__ void mma_task_any(const Params& p, const Ring& sm, int cw, float (&acc)[128], uint32_t& it,
-                                             int n_tok, const Watchdog* w = nullptr) {
+// f(std::integral_constant<int, n_tok>{}): a task's token count as a template argument (n_tok =
+// 16 .. 16 kMaxUnits, a multiple of kTokAlign; anything else calls nothing).
+template <int kMaxUnits, class F>
+__device__ __forceinline__ void with_task_tokens(int n_tok, F&& f) {
   switch (n_tok / kTokAlign) {
-#define MOK_XGEMM_CASE(U)                                                    \
-  case U:                                                                   \
-    if constexpr (U <= kMaxUnits) mma_task<U * kTokAlign, kWatch, kPaired, kWMN>(p, sm, cw, acc, it, w); \
+#define MOK_XGEMM_CASE(U)                                                   \
+  case U:                                                                  \
+    if constexpr (U <= kMaxUnits) f(std::integral_constant<int, U * kTokAlign>{}); \
     break;
     MOK_XGEMM_CASE(1) MOK_XGEMM_CASE(2) MOK_XGEMM_CASE(3) MOK_XGEMM_CASE(4) MOK_XGEMM_CASE(5) MOK_XGEMM_CASE(6)
     MOK_XGEMM_CASE(7) MOK_XGEMM_CASE(8) MOK_XGEMM_CASE(9) MOK_XGEMM_CASE(10) MOK_XGEMM_CASE(11)
@@ -310,6 +308,16 @@ __device__ __forceinline__ void mma_task_any(const Params& p, const Ring& sm, in
     default:
       break;
   }
+}
+
+// The task's N as a template argument (N = 16 .. 16 kMaxUnits: tasks of at most that many rows;
+// the fp8 megakernel's bf16 tasks keep to 128, so that no wgmma accumulates into the registers
+// its e4m3 tasks promote into).
+template <bool kWatch = false, bool kPaired = false, bool kWMN = false, int kMaxUnits = kMaxTok / kTokAlign,
+          class Ring>
+__device__ __forceinline__ void mma_task_any(const Params& p, const Ring& sm, int cw, float (&acc)[128], uint32_t& it,
+                                             int n_tok, const Watchdog* w = nullptr) {
+  with_task_tokens<kMaxUnits>(n_tok, [&](auto n) { mma_task<decltype(n)::value, kWatch, kPaired, kWMN>(p, sm, cw, acc, it, w); });
 }
 
 // ---- epilogue --------------------------------------------------------------------------------------

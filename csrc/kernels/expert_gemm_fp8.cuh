@@ -220,17 +220,8 @@ __device__ __forceinline__ void mma_task(const xgemm::Params& g, const Ring& sm,
 template <bool kWatch = false, class Ring>
 __device__ __forceinline__ void mma_task_any(const xgemm::Params& g, const Ring& sm, int cw, float (&acc)[128],
                                              uint32_t& it, int n_tok, const float* ws, const Watchdog* w = nullptr) {
-  switch (n_tok / xgemm::kTokAlign) {
-#define MOK_XGEMM8_CASE(U) \
-  case U:                  \
-    mma_task<U * xgemm::kTokAlign, kWatch>(g, sm, cw, acc, it, ws, w); \
-    break;
-    MOK_XGEMM8_CASE(1) MOK_XGEMM8_CASE(2) MOK_XGEMM8_CASE(3) MOK_XGEMM8_CASE(4) MOK_XGEMM8_CASE(5)
-    MOK_XGEMM8_CASE(6) MOK_XGEMM8_CASE(7) MOK_XGEMM8_CASE(8)
-#undef MOK_XGEMM8_CASE
-    default:
-      break;
-  }
+  xgemm::with_task_tokens<kMaxTok / xgemm::kTokAlign>(
+      n_tok, [&](auto n) { mma_task<decltype(n)::value, kWatch>(g, sm, cw, acc, it, ws, w); });
 }
 
 // A wide task's block sums: wgmma m64 nN k32 into sum[0 .. N / 2).
@@ -287,19 +278,8 @@ __device__ __forceinline__ void mma_task_wide(const xgemm::Params& g, const Ring
 template <int kChunk, class Ring>
 __device__ __forceinline__ void mma_task_wide_any(const xgemm::Params& g, const Ring& sm, int cw, float (&acc)[128],
                                                   float (&sum)[64], uint32_t& it, int n_tok, const float* ws) {
-  switch (n_tok / xgemm::kTokAlign) {
-#define MOK_XGEMM8_CASE(U)                                                                            \
-  case U:                                                                                            \
-    if constexpr (U * xgemm::kTokAlign <= kChunk) mma_task_wide<U * xgemm::kTokAlign>(g, sm, cw, acc, sum, it, ws); \
-    break;
-    MOK_XGEMM8_CASE(1) MOK_XGEMM8_CASE(2) MOK_XGEMM8_CASE(3) MOK_XGEMM8_CASE(4) MOK_XGEMM8_CASE(5)
-    MOK_XGEMM8_CASE(6) MOK_XGEMM8_CASE(7) MOK_XGEMM8_CASE(8) MOK_XGEMM8_CASE(9) MOK_XGEMM8_CASE(10)
-    MOK_XGEMM8_CASE(11) MOK_XGEMM8_CASE(12) MOK_XGEMM8_CASE(13) MOK_XGEMM8_CASE(14) MOK_XGEMM8_CASE(15)
-    MOK_XGEMM8_CASE(16)
-#undef MOK_XGEMM8_CASE
-    default:
-      break;
-  }
+  xgemm::with_task_tokens<kChunk / xgemm::kTokAlign>(
+      n_tok, [&](auto n) { mma_task_wide<decltype(n)::value>(g, sm, cw, acc, sum, it, ws); });
 }
 
 }  // namespace xgemm8
