@@ -1,6 +1,7 @@
 // The routed experts' forward GEMMs in block-scaled e4m3 (expert_gemm_fp8.cuh), and the quantizer
 // of their token operands (bf16 rows -> e4m3 rows + one scale per row and 128 columns).
 #include <stdlib.h>
+#include <string.h>
 
 #include <cuda_fp8.h>
 
@@ -281,8 +282,8 @@ const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, in
   const Epilogue epi = swiglu ? Epilogue::kSwiGLU
                                : (h != nullptr ? Epilogue::kSwiGLUBackward : (push ? Epilogue::kPlainPush : Epilogue::kPlain));
   const char* task_rows = getenv("MOK_FP8_TASK_ROWS");
-  const bool narrow = task_rows != nullptr && atoi(task_rows) == 128;
-  if (task_rows != nullptr && !narrow && atoi(task_rows) != xgemm8::kWideTok)
+  const bool narrow = task_rows != nullptr && strcmp(task_rows, "128") == 0;
+  if (task_rows != nullptr && !narrow && strcmp(task_rows, "256") != 0)
     return "mok expert_gemm_fp8: MOK_FP8_TASK_ROWS must be 128 or 256";
   const auto kernel = narrow ? pick_kernel<128>(epi) : pick_kernel<xgemm8::kWideTok>(epi);
   cudaLaunchConfig_t cfg = launch_config(xgemm::kThreads, xgemm8::kSmemBytes, stream, false, nullptr);
