@@ -492,6 +492,53 @@ __device__ __forceinline__ void store_task(const Params& p, const Ring& sm, cons
   }
 }
 
+// The SwiGLU backward of a staged [64 tokens][64 columns] slice of da (out = dh [rows, 2 N]), for
+// the e4m3 row tasks (store_task_swiglu_bwd below keeps its own copy of the loop: calling these
+// spilled 16 bytes in the e4m3 column kernel):
+// prefetch_swiglu_bwd moves the slice's pre-activations into L2 before the slice is staged (each
+// piece below loads them right before its stores, one after another; holding them in registers
+// spills next to the accumulators); flush_swiglu_bwd turns each 8-column piece of a token row into
+// d_gate and d_up. trow (optional): out row r pairs with h row trow[r] (< 0: a zero row).
+__device__ __forceinline__ void prefetch_swiglu_bwd(const Params& p, const __nv_bfloat16* h, const int* trow,
+                                                    int row0, int col0, int n_real) {
+  const int64_t ld = 2 * static_cast<int64_t>(p.N);
+  for (int idx = threadIdx.x % 128; idx < 64 * 8; idx += 128) {
+    const int c = idx / 8, col = col0 + 8 * (idx % 8);
+    const int hr = (c < n_real && col < p.N) ? (trow != nullptr ? trow[row0 + c] : row0 + c) : -1;
+    if (hr >= 0) {
+      prefetch_l2(h + hr * ld + col);
+      prefetch_l2(h + hr * ld + p.N + col);
+    }
+  }
+}
+
+__device__ __forceinline__ void flush_swiglu_bwd(const Params& p, uint32_t stg, const __nv_bfloat16* h,
+                                                 const int* trow, int row0, int col0, int n_real, int bar) {
+  const int64_t ld = 2 * static_cast<int64_t>(p.N);
+  warpgroup_bar_sync(bar);
+  for (int idx = threadIdx.x % 128; idx < 64 * 8; idx += 128) {
+    const int c = idx / 8, col = col0 + 8 * (idx % 8);
+    if (c >= n_real || col >= p.N) continue;
+    const int r = row0 + c;
+    const int hr = trow != nullptr ? trow[r] : r;
+    __nv_bfloat16* dst = p.out + r * ld + col;
+    if (hr < 0) {  // no forward row behind it: a zero row, as the unfused kernel writes
+      st16(dst, make_uint4(0, 0, 0, 0));
+      st16(dst + p.N, make_uint4(0, 0, 0, 0));
+      continue;
+    }
+    float g[8], u[8], d[8], dg[8], du[8];
+    unpack8(ld16(h + hr * ld + col), g);
+    unpack8(ld16(h + hr * ld + p.N + col), u);
+    unpack8(ld_shared_v4(stg + 2 * (c * kStageStride + 8 * (idx % 8))), d);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) swiglu_grad(g[j], u[j], d[j], dg[j], du[j]);
+    st16(dst, pack8(dg));
+    st16(dst + p.N, pack8(du));
+  }
+  warpgroup_bar_sync(bar);
+}
+
 // The down projection's dgrad with the SwiGLU backward fused (kWMN tasks against fc2): the task's
 // accumulators are da = dy @ fc2[e] for output columns i (weight rows of the tile) x tokens. They
 // are rounded to bf16 as an unfused da would be, staged, and each 8-column piece of a token row is

@@ -9,6 +9,7 @@
 
 #include "e4m3.cuh"
 #include "expert_gemm_fp8.cuh"
+#include "expert_gemm_fp8_rows.cuh"
 
 namespace mok {
 namespace {
@@ -55,6 +56,44 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
           else
             xgemm::store_task<kEpi == Epilogue::kSwiGLU, kChunk, 0>(
                 p.g, sm, done, cw, acc, kEpi == Epilogue::kPlainPush ? &p.push : nullptr);
+        }
+      });
+}
+
+// Row tasks (expert_gemm_fp8_rows.cuh, the default): the tokens on wgmma's M side, <= 128 a task,
+// two 128-row weight tiles on its N side; persistent CTAs walk them round-robin, expert-major.
+template <Epilogue kEpi>
+__global__ void __launch_bounds__(xgemm::kThreads, 1)
+    expert_gemm_fp8_rows_kernel(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
+                                const __grid_constant__ CUtensorMap tmR, const __grid_constant__ xgemm8::Params p) {
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  __shared__ int chunk_prefix[xgemm::kMaxSeg + 1];
+  const xgemm8r::Smem sm = xgemm8r::carve_smem(smem_raw);
+  if (threadIdx.x < 32) xgemm::build_chunk_prefix<xgemm8r::kTok>(p.g, chunk_prefix);
+  gemm::init_ring_barriers(sm, xgemm8r::kStages);
+  __syncthreads();
+  const int tasks = xgemm8r::num_tasks(p.g, chunk_prefix);
+  const int nk = xgemm8::k_blocks(p.g.K);
+  gemm::run_roles<24, 240>(
+      [&] {
+        tma_prefetch_desc(&tmW);
+        tma_prefetch_desc(&tmX);
+        tma_prefetch_desc(&tmR);
+        uint32_t it = 0;
+        for (int u = blockIdx.x; u < tasks; u += gridDim.x)
+          xgemm8r::produce_task<kEpi == Epilogue::kSwiGLU>(p.g, &tmW, &tmX, &tmR, sm,
+                                                           xgemm8r::decode(p.g, chunk_prefix, u), it);
+      },
+      [] {},
+      [&](int cw) {
+        float acc[128], sum[64];
+        uint32_t it = 0;
+        for (int u = blockIdx.x; u < tasks; u += gridDim.x) {
+          const xgemm::Task t = xgemm8r::decode(p.g, chunk_prefix, u);
+          const float* ws = p.w_scale + ((int64_t)t.seg * p.g.n_blocks + xgemm8r::kTiles * t.block) * nk;
+          xgemm8r::mma_task(p.g, sm, cw, t, acc, sum, it, ws);
+          // decoded again: keeping the task live through the main loop costs registers
+          xgemm8r::store_task<kEpi>(p, sm, xgemm8r::decode(p.g, chunk_prefix, u), cw, acc);
         }
       });
 }
@@ -241,6 +280,35 @@ decltype(&expert_gemm_fp8_kernel<Epilogue::kPlain, kChunk>) pick_kernel(Epilogue
   }
 }
 
+decltype(&expert_gemm_fp8_rows_kernel<Epilogue::kPlain>) pick_rows_kernel(Epilogue e) {
+  switch (e) {
+    case Epilogue::kSwiGLU: return expert_gemm_fp8_rows_kernel<Epilogue::kSwiGLU>;
+    case Epilogue::kSwiGLUBackward: return expert_gemm_fp8_rows_kernel<Epilogue::kSwiGLUBackward>;
+    case Epilogue::kPlainPush: return expert_gemm_fp8_rows_kernel<Epilogue::kPlainPush>;
+    default: return expert_gemm_fp8_rows_kernel<Epilogue::kPlain>;
+  }
+}
+
+// MOK_FP8_TASKS: rows (default: expert_gemm_fp8_rows_kernel) or columns (expert_gemm_fp8_kernel:
+// the weights on wgmma's M side; MOK_FP8_TASK_ROWS=128 or 256 token rows a task). Same bits.
+enum class TaskLayout { kRows, kColumns256, kColumns128 };
+
+const char* task_layout(TaskLayout* layout) {
+  const char* tasks = getenv("MOK_FP8_TASKS");
+  const char* rows = getenv("MOK_FP8_TASK_ROWS");
+  if (tasks == nullptr || strcmp(tasks, "rows") == 0) {
+    *layout = TaskLayout::kRows;
+    return rows == nullptr ? nullptr : "mok expert_gemm_fp8: MOK_FP8_TASK_ROWS goes with MOK_FP8_TASKS=columns";
+  }
+  if (strcmp(tasks, "columns") != 0) return "mok expert_gemm_fp8: MOK_FP8_TASKS must be rows or columns";
+  if (rows == nullptr || strcmp(rows, "256") == 0) {
+    *layout = TaskLayout::kColumns256;
+    return nullptr;
+  }
+  *layout = TaskLayout::kColumns128;
+  return strcmp(rows, "128") == 0 ? nullptr : "mok expert_gemm_fp8: MOK_FP8_TASK_ROWS must be 128 or 256";
+}
+
 }  // namespace
 
 const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, int K, const float* x_scale,
@@ -270,8 +338,12 @@ const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, in
   } else if (const char* m = make_tmap_e4m3_2d(&tmW, w8, (uint64_t)nseg * N, K, xgemm::WM)) {
     return m;
   }
+  TaskLayout layout;
+  if (const char* m = task_layout(&layout)) return m;
+  const bool rows_layout = layout == TaskLayout::kRows;
+  const int task_tok = layout == TaskLayout::kColumns256 ? xgemm8::kWideTok : 128;
   const int nkb = xgemm8::k_blocks(K);
-  if (const char* m = make_tmap_f32_rows(&tmR, x_scale, nkb, x_scale_ld, x_scale_ld, xgemm8::kWideTok)) return m;
+  if (const char* m = make_tmap_f32_rows(&tmR, x_scale, nkb, x_scale_ld, x_scale_ld, task_tok)) return m;
   xgemm8::Params p;
   p.g = xgemm::make_params(seg_offsets, seg_counts, nseg, static_cast<int>(rows), K, N, swiglu, out, pre_out);
   p.w_scale = w_scale;
@@ -281,15 +353,14 @@ const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, in
   p.push = xgemm::RowPush{push_rank, push_slot, push ? *push_bufs : PeerPtrs{}};
   const Epilogue epi = swiglu ? Epilogue::kSwiGLU
                                : (h != nullptr ? Epilogue::kSwiGLUBackward : (push ? Epilogue::kPlainPush : Epilogue::kPlain));
-  const char* task_rows = getenv("MOK_FP8_TASK_ROWS");
-  const bool narrow = task_rows != nullptr && strcmp(task_rows, "128") == 0;
-  if (task_rows != nullptr && !narrow && strcmp(task_rows, "256") != 0)
-    return "mok expert_gemm_fp8: MOK_FP8_TASK_ROWS must be 128 or 256";
-  const auto kernel = narrow ? pick_kernel<128>(epi) : pick_kernel<xgemm8::kWideTok>(epi);
-  cudaLaunchConfig_t cfg = launch_config(xgemm::kThreads, xgemm8::kSmemBytes, stream, false, nullptr);
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, xgemm8::kSmemBytes) != cudaSuccess)
+  const auto kernel = rows_layout ? pick_rows_kernel(epi)
+                                  : (task_tok == 128 ? pick_kernel<128>(epi) : pick_kernel<xgemm8::kWideTok>(epi));
+  const int smem = rows_layout ? xgemm8r::kSmemBytes : xgemm8::kSmemBytes;
+  cudaLaunchConfig_t cfg = launch_config(xgemm::kThreads, smem, stream, false, nullptr);
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
     return "mok expert_gemm_fp8: cannot raise the shared-memory limit";
-  const int64_t max_tasks = ((int64_t)nseg + rows / (narrow ? 128 : xgemm8::kWideTok) + 1) * p.g.n_blocks;
+  const int64_t blocks = rows_layout ? (p.g.n_blocks + 1) / 2 : p.g.n_blocks;
+  const int64_t max_tasks = ((int64_t)nseg + rows / task_tok + 1) * blocks;
   const int ctas = num_ctas > 0 ? num_ctas : num_sms();
   cfg.gridDim = dim3(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ctas, max_tasks))));
   return launch_ex(cfg, kernel, tmW, tmX, tmR, p);

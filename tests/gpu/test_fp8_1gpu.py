@@ -118,8 +118,9 @@ def _segments(counts, K, gen):
 ])
 def test_expert_gemm_fp8_matches_dequantized_products(swiglu, K, N, counts, positive, monkeypatch):
     """Real rows against fp64 products of the dequantized operands, padding rows +0, rows past the
-    last segment untouched, bits independent of the CTA count and of the task size (256-row tasks
-    in two wgmma slices, or 128-row tasks: MOK_FP8_TASK_ROWS=128). The accumulation must lose no more
+    last segment untouched, bits independent of the CTA count and of the task layout (row tasks, the
+    default; column tasks of 256 or 128 token rows: MOK_FP8_TASKS=columns, MOK_FP8_TASK_ROWS). The
+    accumulation must lose no more
     than the bf16 expert GEMM does on the same shapes (its error against fp64 products of its own
     operands): e4m3 wgmma sums each 128-K block only, fp32 sums the blocks."""
     from megatron_mok import ops
@@ -136,14 +137,19 @@ def test_expert_gemm_fp8_matches_dequantized_products(swiglu, K, N, counts, posi
     run = lambda out, h, ctas: ops.expert_gemm_fp8(xq, xs, qw.q, qw.scale, seg, cnt, out, swiglu,  # noqa: E731
                                                    pre_out=h, num_ctas=ctas)
     first = gemm_bits_over_cta_counts(run, cap, N, swiglu, (0, 1, 5, 77), DEV)
-    monkeypatch.setenv("MOK_FP8_TASK_ROWS", "128")
-    narrow = gemm_bits_over_cta_counts(run, cap, N, swiglu, (0,), DEV)
-    for got, want in zip(narrow, first):
-        if want is not None:
-            assert torch.equal(bits(got), bits(want)), "128-row tasks give other bits than 256-row tasks"
+    monkeypatch.setenv("MOK_FP8_TASKS", "columns")
+    for task_rows in ("256", "128"):
+        monkeypatch.setenv("MOK_FP8_TASK_ROWS", task_rows)
+        other = gemm_bits_over_cta_counts(run, cap, N, swiglu, (0, 5), DEV)
+        for got, want in zip(other, first):
+            if want is not None:
+                assert torch.equal(bits(got), bits(want)), f"column tasks of {task_rows} rows give other bits"
     monkeypatch.setenv("MOK_FP8_TASK_ROWS", "100")
     with pytest.raises(RuntimeError, match="MOK_FP8_TASK_ROWS must be 128 or 256"):
-        run(*narrow, 0)
+        run(*other, 0)
+    monkeypatch.setenv("MOK_FP8_TASKS", "diagonal")
+    with pytest.raises(RuntimeError, match="MOK_FP8_TASKS must be rows or columns"):
+        run(*other, 0)
     # the bf16 expert GEMM on the unquantized operands: its error against fp64 is the bar for the accumulation
     out_bf16 = torch.full((cap, N), float("nan"), dtype=torch.bfloat16, device=DEV)
     h_bf16 = torch.full((cap, 2 * N), float("nan"), dtype=torch.bfloat16, device=DEV) if swiglu else None
@@ -184,7 +190,7 @@ def test_expert_gemm_fp8_dgrads_match_dequantized_products(H, I, counts, monkeyp
     transposed copy, then dx = dh @ fc1[e] from dh in gate/up pair blocks against fc1's transposed
     copy; each against fp64 products of its dequantized operands (<= 1e-2, and no worse than 1.5x
     the bf16 expert_dgrad against its own), padding rows +0, rows past the segments untouched,
-    bits independent of the CTA count and of the task size (MOK_FP8_TASK_ROWS=128)."""
+    bits independent of the CTA count and of the task layout (MOK_FP8_TASKS, MOK_FP8_TASK_ROWS)."""
     from megatron_mok import ops
 
     E = len(counts)
@@ -198,8 +204,13 @@ def test_expert_gemm_fp8_dgrads_match_dequantized_products(H, I, counts, monkeyp
     cnt = torch.tensor(counts, dtype=torch.int32, device=DEV)
     dyq, dys = ops.quantize_rows_e4m3(dy.to(DEV))
     first = None
-    for ctas, task_rows in ((0, "256"), (1, "256"), (77, "256"), (0, "128")):
-        monkeypatch.setenv("MOK_FP8_TASK_ROWS", task_rows)
+    for ctas, layout in ((0, "rows"), (1, "rows"), (77, "rows"), (0, "256"), (5, "128")):
+        if layout == "rows":
+            monkeypatch.delenv("MOK_FP8_TASKS", raising=False)
+            monkeypatch.delenv("MOK_FP8_TASK_ROWS", raising=False)
+        else:
+            monkeypatch.setenv("MOK_FP8_TASKS", "columns")
+            monkeypatch.setenv("MOK_FP8_TASK_ROWS", layout)
         dh = torch.full((cap, 2 * I), float("nan"), dtype=torch.bfloat16, device=DEV)
         ops.expert_gemm_fp8(dyq, dys, w8.fc2_t.q, w8.fc2_t.scale, seg, cnt, dh, False, num_ctas=ctas, h=h.to(DEV))
         dhq, dhs = ops.quantize_rows_e4m3(dh, seg[-1:], gate_up_pairs=True)
@@ -208,7 +219,7 @@ def test_expert_gemm_fp8_dgrads_match_dequantized_products(H, I, counts, monkeyp
         if first is None:
             first = (dh, dx)
             continue
-        assert torch.equal(bits(dh), bits(first[0])) and torch.equal(bits(dx), bits(first[1])), (ctas, task_rows)
+        assert torch.equal(bits(dh), bits(first[0])) and torch.equal(bits(dx), bits(first[1])), (ctas, layout)
     dh, dx = (t.cpu() for t in first)
     # the bf16 dgrad kernels on the unquantized operands: the bar for the accumulation
     dh16 = torch.empty((cap, 2 * I), dtype=torch.bfloat16, device=DEV)
@@ -268,15 +279,19 @@ def test_fp8_forward_matches_fp8_reference(kind, shape, monkeypatch):
     base = base_ctx = None
     # (path, knobs, config fields): the megakernel and the staged launches, CTA counts, minibatch
     # size; the staged repeat 3 keeps the shared expert on the caller's stream (MOK_FWD_OVERLAP=0)
-    # and combines in a launch of its own (MOK_FP8_PUSH=0) with 128-row e4m3 tasks
-    # (MOK_FP8_TASK_ROWS=128), the others push from the down GEMM
+    # and combines in a launch of its own (MOK_FP8_PUSH=0) with e4m3 column tasks of 128 rows
+    # (MOK_FP8_TASKS=columns, MOK_FP8_TASK_ROWS=128), the others push from the down GEMM
     reps = [("mega", {}, {}), ("staged", {}, {}), ("mega", dict(gemm_ctas=1, comm_ctas=3), {}),
             ("staged", dict(gemm_ctas=77, comm_ctas=1), {}), ("mega", dict(gemm_ctas=5), dict(minibatch_rows=128)),
             ("mega", {}, dict(fwd_comm_sms=1, minibatch_rows=4096))]
     for rep, (path, knobs, fields) in enumerate(reps):
         monkeypatch.setenv("MOK_FWD_OVERLAP", "0" if rep == 3 else "1")
         monkeypatch.setenv("MOK_FP8_PUSH", "0" if rep == 3 else "1")
-        monkeypatch.setenv("MOK_FP8_TASK_ROWS", "128" if rep == 3 else "256")
+        monkeypatch.setenv("MOK_FP8_TASKS", "columns" if rep == 3 else "rows")
+        if rep == 3:
+            monkeypatch.setenv("MOK_FP8_TASK_ROWS", "128")
+        else:
+            monkeypatch.delenv("MOK_FP8_TASK_ROWS", raising=False)
         out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=DEV)
         out, ctx = _kp().forward(dataclasses.replace(cfg, **fields), ws, sched, x, probs, fc1,
                                  fc2, sfc1, sfc2, out=out, fp8_weights=w8 if rep % 2 == 0 else None, path=path,

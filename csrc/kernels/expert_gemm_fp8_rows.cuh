@@ -1,0 +1,290 @@
+// Row tasks of the block-scaled e4m3 expert GEMM (expert_gemm_fp8.cuh), for the staged launches:
+// the tokens are wgmma's M side (64 rows a consumer warpgroup, <= 128 a task) and two 128-row
+// weight tiles its N side (256 output columns a task, one 128-column slice per tile).
+//
+// Why: with the weights on the M side (column tasks, expert_gemm_fp8.cuh) each thread's
+// accumulators span up to 32 token columns per slice, so the promotion of a 128-K block loads 32
+// token scales from shared memory and multiplies each by the weight scale before its 64 FMAs (ncu,
+// tenth session: the promotion's shared loads and the wgmma waits are most of the stall samples,
+// and the tensor pipe is busy 41% of the time). Here a thread holds two token rows: the promotion
+// is two shared loads and two multiplies per stage and slice, then its 64 FMAs. Bytes per stage:
+// 16 KB of tokens and 32 KB of weights for 8.4 MFLOP, as the 256-token column tasks.
+//
+// Bits: the same as the column tasks and the megakernel: every element is the sum over its 128-K
+// blocks, in ascending order, of the block's e4m3 products summed by the tensor cores, times
+// (token scale * weight scale), added with one fma.
+//
+// Accumulator layout of a consumer warpgroup (thread t, warp w = t / 32, lane l, q = l % 4):
+// acc[64 j + 4 g + 2 s + h] holds token row 16 w + l / 4 + 8 s of the warpgroup's 64 and column
+// 8 g + 2 q + h of weight tile j (SwiGLU tiles interleave gate and up rows by 8: g even is gate
+// pair 8 (g / 2) + 2 q + h, g + 1 its up row).
+#pragma once
+
+#include "expert_gemm_fp8.cuh"
+
+namespace mok {
+namespace xgemm8r {
+
+using xgemm8::BK;
+using xgemm8::kWBytes;
+constexpr int kTok = 128;                     // token rows per task: two warpgroups of 64
+constexpr int kTiles = 2;                     // 128-row weight tiles per task
+constexpr int kStages = 4;
+constexpr int kXBytes = kTok * BK;            // 16 KB
+constexpr int kWTaskBytes = kTiles * kWBytes;  // 32 KB
+constexpr int kRBytes = kTok * 4;             // the stage's token scales (128 fp32)
+constexpr int kOffStaging = kStages * (kWTaskBytes + kXBytes);
+constexpr int kOffScales = kOffStaging + 2 * xgemm::kStageBytesPerWG;
+constexpr int kOffBarriers = kOffScales + kStages * kRBytes;
+constexpr int kSmemBytes = kOffBarriers + 2 * kStages * 8 + 1024 /* alignment */;
+static_assert(kSmemBytes <= 227 * 1024, "shared memory");
+
+struct Smem {
+  static constexpr int kStages = xgemm8r::kStages;
+  uint8_t* base;
+  __device__ __forceinline__ uint8_t* w(int s) const { return base + s * kWTaskBytes; }  // tile j at + j kWBytes
+  __device__ __forceinline__ uint8_t* x(int s) const { return base + kStages * kWTaskBytes + s * kXBytes; }
+  __device__ __forceinline__ __nv_bfloat16* staging(int cw) const {
+    return reinterpret_cast<__nv_bfloat16*>(base + kOffStaging) + cw * (64 * xgemm::kStageStride);
+  }
+  __device__ __forceinline__ uint8_t* scales(int s) const { return base + kOffScales + s * kRBytes; }
+  __device__ __forceinline__ uint64_t* full(int s) const { return reinterpret_cast<uint64_t*>(base + kOffBarriers) + s; }
+  __device__ __forceinline__ uint64_t* empty(int s) const { return full(kStages + s); }
+};
+
+__device__ __forceinline__ Smem carve_smem(uint8_t* raw) {
+  return Smem{reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023))};
+}
+
+// A task's `block` is a pair of weight tiles (2 block, 2 block + 1: those < n_blocks).
+__host__ __device__ __forceinline__ int task_blocks(const xgemm::Params& g) { return (g.n_blocks + 1) / 2; }
+__device__ __forceinline__ int tiles_of(const xgemm::Params& g, const xgemm::Task& t) {
+  return min(kTiles, g.n_blocks - kTiles * t.block);
+}
+__device__ __forceinline__ int num_tasks(const xgemm::Params& g, const int* prefix) {
+  return prefix[g.nseg] * task_blocks(g);
+}
+
+// Task u: expert-major, then tile pair, then chunk (the chunks of one pair run side by side and
+// share its weights in L2); chunks of <= 128 rows (prefix from build_chunk_prefix<kTok>).
+__device__ __forceinline__ xgemm::Task decode(const xgemm::Params& g, const int* prefix, int u) {
+  const int nb = task_blocks(g);
+  const int e = xgemm::find_expert(g, prefix, u, nb);
+  const int ch = prefix[e + 1] - prefix[e];
+  const int local = u - prefix[e] * nb;
+  return xgemm::make_task(g, e, local / ch, local % ch, ch);
+}
+
+// Producer thread: per stage the task's weight tiles, its token rows (64-row boxes) and their 128
+// scales of block kb.
+template <bool kSwiGLU>
+__device__ __forceinline__ void produce_task(const xgemm::Params& g, const CUtensorMap* tmW, const CUtensorMap* tmX,
+                                             const CUtensorMap* tmR, const Smem& sm, const xgemm::Task& t,
+                                             uint32_t& it) {
+  const int nk = xgemm8::k_blocks(g.K);
+  const int nbox = (t.n_tok + xgemm::kXBox - 1) / xgemm::kXBox;
+  const int tiles = tiles_of(g, t);
+  for (int kb = 0; kb < nk; ++kb, ++it) {
+    const int s = it % kStages;
+    gemm::ring_wait<false>(sm.empty(s), ((it / kStages) & 1) ^ 1, nullptr);
+    mbar_arrive_expect_tx(sm.full(s), tiles * kWBytes + nbox * xgemm::kXBox * BK + kRBytes);
+    for (int j = 0; j < tiles; ++j) {
+      const int tile = kTiles * t.block + j;
+      if constexpr (kSwiGLU)
+        tma_load_4d(sm.w(s) + j * kWBytes, tmW, sm.full(s), kb * BK, 0, 0,
+                    (t.seg * g.w_rows_per_seg + tile * (xgemm::WM / 2)) / 8);
+      else
+        tma_load_2d(sm.w(s) + j * kWBytes, tmW, sm.full(s), kb * BK, t.seg * g.w_rows_per_seg + tile * xgemm::WM);
+    }
+    for (int i = 0; i < nbox; ++i)
+      tma_load_2d(sm.x(s) + i * xgemm::kXBox * BK, tmX, sm.full(s), kb * BK, t.row0 + i * xgemm::kXBox);
+    tma_load_2d(sm.scales(s), tmR, sm.full(s), t.row0, kb);
+  }
+}
+
+// wgmma m64 n128 k32 into sum (a fresh sum unless accumulate).
+template <size_t... Is>
+__device__ __forceinline__ void wgmma_tile(float (&sum)[64], uint64_t da, uint64_t db, bool accumulate,
+                                           std::index_sequence<Is...>) {
+  cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>::fma(
+      da, db, sum[Is]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+
+__device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
+
+// Tile j of stage s: the warpgroup's 64 token rows against the tile's 128 weight rows, the four
+// k32 steps summed afresh into sum, waited for, and added to acc[64 j ..] times the rows' scales
+// (s0: row 16 w + l / 4, s1: 8 rows below).
+template <int j>
+__device__ __forceinline__ void mma_tile(const Smem& sm, int s, int cw, float (&acc)[128], float (&sum)[64], float s0,
+                                         float s1, const float* ws) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < BK / 32; ++kk) {
+    const uint64_t da = wgmma_desc_sw128(sm.x(s) + cw * 64 * BK + kk * 32);
+    const uint64_t db = wgmma_desc_sw128(sm.w(s) + j * kWBytes + kk * 32);
+    // a runtime flag for the fresh start, as in xgemm8::mma_task (a constant one: C7511)
+    wgmma_tile(sum, da, db, kk > 0 || ws == nullptr, std::make_index_sequence<64>{});
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(sum[i])::"memory");
+#pragma unroll
+  for (int g = 0; g < 16; ++g) {
+    float* a = acc + 64 * j + 4 * g;
+    a[0] = fmaf(sum[4 * g], s0, a[0]);
+    a[1] = fmaf(sum[4 * g + 1], s0, a[1]);
+    a[2] = fmaf(sum[4 * g + 2], s1, a[2]);
+    a[3] = fmaf(sum[4 * g + 3], s1, a[3]);
+  }
+}
+
+// Consumer warpgroup `cw` of task t: per stage tile 0, then tile 1 (if the task has it), each
+// promoted while the other warpgroup's wgmmas run. ws: the weight scales of tile 2 block. A
+// warpgroup without token rows (n_tok <= 64 for cw = 1) only frees the stages.
+__device__ __forceinline__ void mma_task(const xgemm::Params& g, const Smem& sm, int cw, const xgemm::Task& t,
+                                         float (&acc)[128], float (&sum)[64], uint32_t& it, const float* ws) {
+  const int nk = xgemm8::k_blocks(g.K);
+  const bool two = tiles_of(g, t) > 1, active = 64 * cw < t.n_tok;
+  const float* ws1 = ws + nk;  // tile 2 block + 1 (read only if the task has it)
+#pragma unroll
+  for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+  // the weight scales one block ahead (their global load stalled the promotion: ncu)
+  float w0_next = __ldg(ws), w1_next = two ? __ldg(ws1) : 0.f;
+  const int lane = threadIdx.x % 32, row = 64 * cw + 16 * ((threadIdx.x % 128) / 32) + lane / 4;
+  for (int kb = 0; kb < nk; ++kb, ++it) {
+    const int s = it % kStages;
+    const float w0 = w0_next, w1 = w1_next;
+    if (kb + 1 < nk) {
+      w0_next = __ldg(ws + kb + 1);
+      if (two) w1_next = __ldg(ws1 + kb + 1);
+    }
+    gemm::ring_wait<false>(sm.full(s), (it / kStages) & 1, nullptr);
+    if (active) {
+      const uint32_t xs = smem_u32(sm.scales(s)) + 4 * row;
+      const float x0 = ld_shared_f32(xs), x1 = ld_shared_f32(xs + 4 * 8);
+      mma_tile<0>(sm, s, cw, acc, sum, x0 * w0, x1 * w0, ws);
+      if (two) mma_tile<1>(sm, s, cw, acc, sum, x0 * w1, x1 * w1, ws);
+    }
+    gemm::release_stage<false>(sm.empty(s));
+  }
+  fence_regs(acc);
+}
+
+// ---- epilogue ------------------------------------------------------------------------------------
+
+// 64 tokens x 64 output columns (columns 64 c .. 64 c + 63 of the warpgroup's result, c = 0..3) into
+// the staging tile, bf16-rounded: tiles (s, g) are token rows 16 w + 8 s .. + 7 x columns 8 g ..
+// 8 g + 7, four per instruction as (s, g) = (0, g), (1, g), (0, g + 1), (1, g + 1); lane 8 m + i
+// addresses row i of tile m.
+__device__ __forceinline__ void stage_rows_plain(uint32_t stg, const float (&acc)[128], int c, int w, int lane) {
+  const int m = lane / 8;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int g = 8 * c + 2 * k;  // the first of the instruction's two column groups
+    xgemm::stmatrix_x4<false>(stg + 2 * ((16 * w + 8 * (m % 2) + lane % 8) * xgemm::kStageStride + 8 * (2 * k + m / 2)),
+                       gemm::bf16x2_bits(acc[4 * g], acc[4 * g + 1]),
+                       gemm::bf16x2_bits(acc[4 * g + 2], acc[4 * g + 3]),
+                       gemm::bf16x2_bits(acc[4 * g + 4], acc[4 * g + 5]),
+                       gemm::bf16x2_bits(acc[4 * g + 6], acc[4 * g + 7]));
+  }
+}
+
+// One half of SwiGLU tile j's 64 pairs for the warpgroup's 64 tokens into the staging tile,
+// bf16-rounded: up = 0 the gate values, 1 the up values; pair group p (pairs 8 p .. 8 p + 7) is
+// column group 2 p (gate) and 2 p + 1 (up) of the tile.
+__device__ __forceinline__ void stage_rows_pairs(uint32_t stg, const float (&acc)[128], int j, int up, int w,
+                                                 int lane) {
+  const int m = lane / 8;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    uint32_t v[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {  // tile r of the instruction: row half r % 2, pair group 2 k + r / 2
+      const float* a = acc + 64 * j + 4 * (2 * (2 * k + r / 2) + up) + 2 * (r % 2);
+      v[r] = gemm::bf16x2_bits(a[0], a[1]);
+    }
+    xgemm::stmatrix_x4<false>(stg + 2 * ((16 * w + 8 * (m % 2) + lane % 8) * xgemm::kStageStride + 8 * (2 * k + m / 2)),
+                              v[0], v[1], v[2], v[3]);
+  }
+}
+
+// SwiGLU of tile j in place: each gate value becomes silu(gate) * up (fp32, as the column tasks'
+// epilogue computes it before rounding).
+__device__ __forceinline__ void swiglu_in_place(float (&acc)[128], int j) {
+#pragma unroll
+  for (int p = 0; p < 8; ++p)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[64 * j + 8 * p + i] = swiglu(acc[64 * j + 8 * p + i], acc[64 * j + 8 * p + 4 + i]);
+}
+
+// The warpgroup's 64 token rows of task tk: SwiGLU (act, and pre_out's gate and up halves),
+// plain (also pushed into the rows' source slots: push), or the SwiGLU backward of plain products
+// with the forward's pre-activations h. The expert's last chunk also writes +0 into the segment's
+// padding rows, the columns of tile cw.
+template <xgemm8::Epilogue kEpi>
+__device__ __forceinline__ void store_task(const xgemm8::Params& p, const Smem& sm, const xgemm::Task& tk, int cw,
+                                           float (&acc)[128]) {
+  using xgemm8::Epilogue;
+  const xgemm::Params& g = p.g;
+  const int w = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+  const int bar = 2 + cw;
+  const uint32_t stg = smem_u32(sm.staging(cw));
+  const int tiles = tiles_of(g, tk);
+  const int row0 = tk.row0 + 64 * cw, n_real = tk.n_real - 64 * cw;
+  if (n_real > 0) {
+    for (int j = 0; j < tiles; ++j) {
+      const int tile = kTiles * tk.block + j;
+      if constexpr (kEpi == Epilogue::kSwiGLU) {
+        // the pre-activations first (gate, then up), then the activation computed in place over
+        // the gate values and staged like them (computing it while staging spilled)
+        if (g.pre_out != nullptr) {
+          stage_rows_pairs(stg, acc, j, 0, w, lane);
+          xgemm::flush_staging(stg, 64, g.pre_out, 2 * g.N, row0, tile * 64, g.N, n_real, bar);
+          stage_rows_pairs(stg, acc, j, 1, w, lane);
+          xgemm::flush_staging(stg, 64, g.pre_out + g.N, 2 * g.N, row0, tile * 64, g.N, n_real, bar);
+        }
+        swiglu_in_place(acc, j);
+        stage_rows_pairs(stg, acc, j, 0, w, lane);
+        xgemm::flush_staging(stg, 64, g.out, g.N, row0, tile * 64, g.N, n_real, bar);
+      } else {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int col0 = tile * xgemm::WM + 64 * half;
+          if constexpr (kEpi == Epilogue::kSwiGLUBackward) {
+            xgemm::prefetch_swiglu_bwd(g, p.h, nullptr, row0, col0, n_real);
+            stage_rows_plain(stg, acc, 2 * j + half, w, lane);
+            xgemm::flush_swiglu_bwd(g, stg, p.h, nullptr, row0, col0, n_real, bar);
+          } else {
+            stage_rows_plain(stg, acc, 2 * j + half, w, lane);
+            xgemm::flush_staging(stg, 64, g.out, g.N, row0, col0, g.N, n_real, bar,
+                                 kEpi == Epilogue::kPlainPush ? &p.push : nullptr);
+          }
+        }
+      }
+    }
+  }
+  if (tk.pad1 > tk.pad0 && cw < tiles) {
+    const int tile = kTiles * tk.block + cw;
+    if constexpr (kEpi == Epilogue::kSwiGLU) {
+      xgemm::zero_rows(g.out, g.N, tk.pad0, tk.pad1, tile * 64, 64, g.N);
+      if (g.pre_out != nullptr) {
+        xgemm::zero_rows(g.pre_out, 2 * g.N, tk.pad0, tk.pad1, tile * 64, 64, g.N);
+        xgemm::zero_rows(g.pre_out + g.N, 2 * g.N, tk.pad0, tk.pad1, tile * 64, 64, g.N);
+      }
+    } else if constexpr (kEpi == Epilogue::kSwiGLUBackward) {
+      xgemm::zero_rows(g.out, 2 * g.N, tk.pad0, tk.pad1, tile * xgemm::WM, xgemm::WM, g.N);
+      xgemm::zero_rows(g.out + g.N, 2 * g.N, tk.pad0, tk.pad1, tile * xgemm::WM, xgemm::WM, g.N);
+    } else {
+      xgemm::zero_rows(g.out, g.N, tk.pad0, tk.pad1, tile * xgemm::WM, xgemm::WM, g.N);
+    }
+  }
+}
+
+}  // namespace xgemm8r
+}  // namespace mok
