@@ -432,6 +432,23 @@ __device__ __forceinline__ void stage_plain(uint32_t stg, const float (&acc)[128
   }
 }
 
+// The segment's padding rows of the task's columns (the expert's last chunk: pad0 < pad1), +0.
+template <bool kSwiGLU>
+__device__ __forceinline__ void store_task_padding(const Params& p, const Task& tk, int cw) {
+  if (tk.pad1 > tk.pad0) {
+    if constexpr (kSwiGLU) {
+      const int col0 = tk.block * (WM / 2) + cw * 32;
+      zero_rows(p.out, p.N, tk.pad0, tk.pad1, col0, 32, p.N);
+      if (p.pre_out != nullptr) {
+        zero_rows(p.pre_out, 2 * p.N, tk.pad0, tk.pad1, col0, 32, p.N);
+        zero_rows(p.pre_out + p.N, 2 * p.N, tk.pad0, tk.pad1, col0, 32, p.N);
+      }
+    } else {
+      zero_rows(p.out, p.N, tk.pad0, tk.pad1, tk.block * WM + cw * 64, 64, p.N);
+    }
+  }
+}
+
 // kTok: the most token rows a task of this kernel has (its accumulators past kTok / 2 are unused);
 // kOff: the first accumulator (xgemm8::kAcc for the e4m3 tasks).
 // push (plain only, optional): the rows also go to their source slots (RowPush).
@@ -478,18 +495,7 @@ __device__ __forceinline__ void store_task(const Params& p, const Ring& sm, cons
       }
     }
   }
-  if (tk.pad1 > tk.pad0) {
-    if constexpr (kSwiGLU) {
-      const int col0 = tk.block * (WM / 2) + cw * 32;
-      zero_rows(p.out, p.N, tk.pad0, tk.pad1, col0, 32, p.N);
-      if (p.pre_out != nullptr) {
-        zero_rows(p.pre_out, 2 * p.N, tk.pad0, tk.pad1, col0, 32, p.N);
-        zero_rows(p.pre_out + p.N, 2 * p.N, tk.pad0, tk.pad1, col0, 32, p.N);
-      }
-    } else {
-      zero_rows(p.out, p.N, tk.pad0, tk.pad1, tk.block * WM + cw * 64, 64, p.N);
-    }
-  }
+  store_task_padding<kSwiGLU>(p, tk, cw);
 }
 
 // The SwiGLU backward of a staged [64 tokens][64 columns] slice of da (out = dh [rows, 2 N]), for

@@ -19,7 +19,10 @@ using xgemm8::Epilogue;
 // Persistent CTAs walk the expert-major tasks round-robin (expert_gemm_kernel's order), tasks of
 // <= kChunk token rows: 256 (the bf16 tasks' chunks; one chunk per expert of <= 256 rows reads its
 // weights once) or 128 (MOK_FP8_TASK_ROWS=128: the earlier chunks, same bits).
-template <Epilogue kEpi, int kChunk>
+// kPaired (MOK_FP8_TASKS=pairs; 256-row chunks, an even block count): 2-CTA clusters, the tasks in
+// xgemm8::decode_pair's order, so the cluster's CTAs (tasks 2 P, 2 P + 1) run two weight blocks of
+// one chunk and share its token boxes by multicast.
+template <Epilogue kEpi, int kChunk, bool kPaired = false>
 __global__ void __launch_bounds__(xgemm::kThreads, 1)
     expert_gemm_fp8_kernel(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
                            const __grid_constant__ CUtensorMap tmR, const __grid_constant__ xgemm8::Params p) {
@@ -27,40 +30,68 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
   __shared__ int chunk_prefix[xgemm::kMaxSeg + 1];
   const xgemm8::Smem sm = xgemm8::carve_smem(smem_raw);
   if (threadIdx.x < 32) xgemm::build_chunk_prefix<kChunk>(p.g, chunk_prefix);
-  gemm::init_ring_barriers(sm, xgemm8::kWideStages);
-  __syncthreads();
+  if constexpr (kPaired) {
+    if (threadIdx.x == 32) {
+      for (int s = 0; s < xgemm8::kWideStages; ++s) {
+        mbar_init(sm.full(s), 1);
+        mbar_init(sm.empty(s), gemm::empty_arrivals(true));
+      }
+      mbar_fence_init();
+    }
+    cluster_sync();  // the peer multicasts into this CTA's ring only after its barriers exist
+  } else {
+    gemm::init_ring_barriers(sm, xgemm8::kWideStages);
+    __syncthreads();
+  }
   const int tasks = xgemm::num_tasks(p.g, chunk_prefix);
+  // paired: the task count read from shared memory each time (held in a register, it spilled)
+  auto task_count = [&] {
+    if constexpr (kPaired) return *static_cast<const volatile int*>(chunk_prefix + p.g.nseg) * p.g.n_blocks;
+    return tasks;
+  };
   const int nk = xgemm8::k_blocks(p.g.K);
+  auto decode = [&](int u) {
+    return kPaired ? xgemm8::decode_pair(p.g, chunk_prefix, u) : xgemm::decode(p.g, chunk_prefix, u);
+  };
   gemm::run_roles<24, 240>(
       [&] {
         tma_prefetch_desc(&tmW);
         tma_prefetch_desc(&tmX);
         tma_prefetch_desc(&tmR);
         uint32_t it = 0;
-        for (int u = blockIdx.x; u < tasks; u += gridDim.x)
-          xgemm8::produce_task<kEpi == Epilogue::kSwiGLU>(p.g, &tmW, &tmX, &tmR, sm,
-                                                          xgemm::decode(p.g, chunk_prefix, u), it);
+        for (int u = blockIdx.x; u < task_count(); u += gridDim.x)
+          xgemm8::produce_task<kEpi == Epilogue::kSwiGLU, false, kPaired>(p.g, &tmW, &tmX, &tmR, sm, decode(u), it);
       },
       [] {},
       [&](int cw) {
         float acc[128], sum[64];
         uint32_t it = 0;
-        for (int u = blockIdx.x; u < tasks; u += gridDim.x) {
-          const xgemm::Task t = xgemm::decode(p.g, chunk_prefix, u);
+        for (int u = blockIdx.x; u < task_count(); u += gridDim.x) {
+          const xgemm::Task t = decode(u);
           const float* ws = p.w_scale + ((int64_t)t.seg * p.g.n_blocks + t.block) * nk;
-          xgemm8::mma_task_wide_any<kChunk>(p.g, sm, cw, acc, sum, it, t.n_tok, ws);
+          xgemm8::mma_task_wide_any<kChunk, kPaired>(p.g, sm, cw, acc, sum, it, t.n_tok, ws);
           // decoded again: keeping the task live through the main loop costs registers
-          const xgemm::Task done = xgemm::decode(p.g, chunk_prefix, u);
-          if constexpr (kEpi == Epilogue::kSwiGLUBackward)
+          xgemm::Task done = decode(u);
+          if constexpr (kEpi == Epilogue::kSwiGLUBackward) {
             xgemm::store_task_swiglu_bwd<kChunk, 0>(p.g, sm, done, cw, acc, p.h, nullptr);
-          else
+          } else if constexpr (kPaired) {
+            // the padding rows after the staged stores, from a third decode (the task held through
+            // the SwiGLU stores spilled)
+            done.pad1 = done.pad0;
             xgemm::store_task<kEpi == Epilogue::kSwiGLU, kChunk, 0>(
                 p.g, sm, done, cw, acc, kEpi == Epilogue::kPlainPush ? &p.push : nullptr);
+            xgemm::store_task_padding<kEpi == Epilogue::kSwiGLU>(p.g, decode(u), cw);
+          } else {
+            xgemm::store_task<kEpi == Epilogue::kSwiGLU, kChunk, 0>(
+                p.g, sm, done, cw, acc, kEpi == Epilogue::kPlainPush ? &p.push : nullptr);
+          }
         }
       });
+  // paired: no CTA leaves while its peer may still multicast into it or arrive on its barriers
+  if constexpr (kPaired) cluster_sync();
 }
 
-// Row tasks (expert_gemm_fp8_rows.cuh, the default): the tokens on wgmma's M side, <= 128 a task,
+// Row tasks (expert_gemm_fp8_rows.cuh): the tokens on wgmma's M side, <= 128 a task,
 // two 128-row weight tiles on its N side; persistent CTAs walk them round-robin, expert-major.
 template <Epilogue kEpi>
 __global__ void __launch_bounds__(xgemm::kThreads, 1)
@@ -270,13 +301,13 @@ __global__ void __launch_bounds__(256) quantize_weight_e4m3_kernel(const __nv_bf
   }
 }
 
-template <int kChunk>
-decltype(&expert_gemm_fp8_kernel<Epilogue::kPlain, kChunk>) pick_kernel(Epilogue e) {
+template <int kChunk, bool kPaired = false>
+decltype(&expert_gemm_fp8_kernel<Epilogue::kPlain, kChunk, kPaired>) pick_kernel(Epilogue e) {
   switch (e) {
-    case Epilogue::kSwiGLU: return expert_gemm_fp8_kernel<Epilogue::kSwiGLU, kChunk>;
-    case Epilogue::kSwiGLUBackward: return expert_gemm_fp8_kernel<Epilogue::kSwiGLUBackward, kChunk>;
-    case Epilogue::kPlainPush: return expert_gemm_fp8_kernel<Epilogue::kPlainPush, kChunk>;
-    default: return expert_gemm_fp8_kernel<Epilogue::kPlain, kChunk>;
+    case Epilogue::kSwiGLU: return expert_gemm_fp8_kernel<Epilogue::kSwiGLU, kChunk, kPaired>;
+    case Epilogue::kSwiGLUBackward: return expert_gemm_fp8_kernel<Epilogue::kSwiGLUBackward, kChunk, kPaired>;
+    case Epilogue::kPlainPush: return expert_gemm_fp8_kernel<Epilogue::kPlainPush, kChunk, kPaired>;
+    default: return expert_gemm_fp8_kernel<Epilogue::kPlain, kChunk, kPaired>;
   }
 }
 
@@ -289,18 +320,20 @@ decltype(&expert_gemm_fp8_rows_kernel<Epilogue::kPlain>) pick_rows_kernel(Epilog
   }
 }
 
-// MOK_FP8_TASKS: rows (default: expert_gemm_fp8_rows_kernel) or columns (expert_gemm_fp8_kernel:
-// the weights on wgmma's M side; MOK_FP8_TASK_ROWS=128 or 256 token rows a task). Same bits.
-enum class TaskLayout { kRows, kColumns256, kColumns128 };
+// MOK_FP8_TASKS: rows (default: expert_gemm_fp8_rows_kernel), columns (expert_gemm_fp8_kernel: the
+// weights on wgmma's M side; MOK_FP8_TASK_ROWS=128 or 256 token rows a task) or pairs (its paired
+// form: 256-row column tasks in 2-CTA clusters; an odd weight-block count runs unpaired). Same bits.
+enum class TaskLayout { kRows, kColumns256, kColumns128, kPairs };
 
 const char* task_layout(TaskLayout* layout) {
   const char* tasks = getenv("MOK_FP8_TASKS");
   const char* rows = getenv("MOK_FP8_TASK_ROWS");
-  if (tasks == nullptr || strcmp(tasks, "rows") == 0) {
-    *layout = TaskLayout::kRows;
+  const bool pairs = tasks != nullptr && strcmp(tasks, "pairs") == 0;
+  if (tasks == nullptr || pairs || strcmp(tasks, "rows") == 0) {
+    *layout = pairs ? TaskLayout::kPairs : TaskLayout::kRows;
     return rows == nullptr ? nullptr : "mok expert_gemm_fp8: MOK_FP8_TASK_ROWS goes with MOK_FP8_TASKS=columns";
   }
-  if (strcmp(tasks, "columns") != 0) return "mok expert_gemm_fp8: MOK_FP8_TASKS must be rows or columns";
+  if (strcmp(tasks, "columns") != 0) return "mok expert_gemm_fp8: MOK_FP8_TASKS must be rows, columns or pairs";
   if (rows == nullptr || strcmp(rows, "256") == 0) {
     *layout = TaskLayout::kColumns256;
     return nullptr;
@@ -341,9 +374,12 @@ const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, in
   TaskLayout layout;
   if (const char* m = task_layout(&layout)) return m;
   const bool rows_layout = layout == TaskLayout::kRows;
-  const int task_tok = layout == TaskLayout::kColumns256 ? xgemm8::kWideTok : 128;
+  const int task_tok = layout == TaskLayout::kColumns128 || rows_layout ? 128 : xgemm8::kWideTok;
   const int nkb = xgemm8::k_blocks(K);
-  if (const char* m = make_tmap_f32_rows(&tmR, x_scale, nkb, x_scale_ld, x_scale_ld, task_tok)) return m;
+  // the scale box: the column kernels' stages take kWideTok scales whatever their task size (their
+  // expect_tx counts kScaleBytes; a smaller box hangs them), the row kernel's 128
+  const int scale_box = rows_layout ? xgemm8r::kTok : xgemm8::kWideTok;
+  if (const char* m = make_tmap_f32_rows(&tmR, x_scale, nkb, x_scale_ld, x_scale_ld, scale_box)) return m;
   xgemm8::Params p;
   p.g = xgemm::make_params(seg_offsets, seg_counts, nseg, static_cast<int>(rows), K, N, swiglu, out, pre_out);
   p.w_scale = w_scale;
@@ -351,18 +387,27 @@ const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, in
   p.x_scale_ld = x_scale_ld;
   p.h = static_cast<const __nv_bfloat16*>(h);
   p.push = xgemm::RowPush{push_rank, push_slot, push ? *push_bufs : PeerPtrs{}};
+  // pairs need an even weight-block count (a cluster's two tasks are blocks 2 j, 2 j + 1 of a chunk)
+  const bool paired = layout == TaskLayout::kPairs && p.g.n_blocks % 2 == 0;
   const Epilogue epi = swiglu ? Epilogue::kSwiGLU
                                : (h != nullptr ? Epilogue::kSwiGLUBackward : (push ? Epilogue::kPlainPush : Epilogue::kPlain));
   const auto kernel = rows_layout ? pick_rows_kernel(epi)
+                      : paired    ? pick_kernel<xgemm8::kWideTok, true>(epi)
                                   : (task_tok == 128 ? pick_kernel<128>(epi) : pick_kernel<xgemm8::kWideTok>(epi));
   const int smem = rows_layout ? xgemm8r::kSmemBytes : xgemm8::kSmemBytes;
-  cudaLaunchConfig_t cfg = launch_config(xgemm::kThreads, smem, stream, false, nullptr);
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
-    return "mok expert_gemm_fp8: cannot raise the shared-memory limit";
-  const int64_t blocks = rows_layout ? (p.g.n_blocks + 1) / 2 : p.g.n_blocks;
-  const int64_t max_tasks = ((int64_t)nseg + rows / task_tok + 1) * blocks;
-  const int ctas = num_ctas > 0 ? num_ctas : num_sms();
-  cfg.gridDim = dim3(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ctas, max_tasks))));
+  cudaLaunchAttribute cluster;
+  cudaLaunchConfig_t cfg = launch_config(xgemm::kThreads, smem, stream, paired, &cluster);
+  // CTAs (clusters: paired) the launch can run at once
+  static int clusters_at_once[4] = {};  // per epilogue (the occupancy query costs host time each launch)
+  int& cached = clusters_at_once[static_cast<int>(epi)];
+  if (paired && cached == 0) cached = units_at_once(kernel, cfg, true, "expert_gemm_fp8");
+  const int at_once = paired ? cached : units_at_once(kernel, cfg, false, "expert_gemm_fp8");
+  if (at_once == 0) return "mok expert_gemm_fp8: cannot raise the shared-memory limit";
+  // row tasks and clusters take two weight blocks a unit
+  const int64_t blocks = rows_layout || paired ? (p.g.n_blocks + 1) / 2 : p.g.n_blocks;
+  const int64_t max_units = ((int64_t)nseg + rows / task_tok + 1) * blocks;
+  const int64_t units = num_ctas > 0 ? (paired ? num_ctas / 2 : num_ctas) : at_once;
+  cfg.gridDim = dim3(static_cast<unsigned>((paired ? 2 : 1) * std::max<int64_t>(1, std::min<int64_t>(units, max_units))));
   return launch_ex(cfg, kernel, tmW, tmX, tmR, p);
 }
 

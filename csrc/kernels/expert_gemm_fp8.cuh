@@ -103,7 +103,9 @@ __host__ __device__ constexpr int k_blocks(int K) { return (K + BK - 1) / BK; }
 // `Ring` gives the stages (w(s), x(s), scales(s)) and their barriers (the megakernel's E4M3Ring,
 // kWatch: waits under the watchdog, and `tag` goes to stage_tag[s] of the task's first stage before
 // it is armed).
-template <bool kSwiGLU, bool kWatch = false, class Ring>
+// kPaired (pair tasks, 2-CTA clusters): this CTA loads every other 64-row token box (from its
+// cluster rank) and multicasts it into both CTAs' stages; the weights and scales stay its own.
+template <bool kSwiGLU, bool kWatch = false, bool kPaired = false, class Ring>
 __device__ __forceinline__ void produce_task(const xgemm::Params& g, const CUtensorMap* tmW, const CUtensorMap* tmX,
                                              const CUtensorMap* tmR, const Ring& sm, const xgemm::Task& t,
                                              uint32_t& it, const Watchdog* w = nullptr,
@@ -121,10 +123,29 @@ __device__ __forceinline__ void produce_task(const xgemm::Params& g, const CUten
       tma_load_4d(sm.w(s), tmW, sm.full(s), kb * BK, 0, 0, wcoord);
     else
       tma_load_2d(sm.w(s), tmW, sm.full(s), kb * BK, wcoord);
-    for (int i = 0; i < nbox; ++i)
-      tma_load_2d(sm.x(s) + i * xgemm::kXBox * BK, tmX, sm.full(s), kb * BK, t.row0 + i * xgemm::kXBox);
+    if constexpr (kPaired) {
+      for (int i = static_cast<int>(cluster_ctarank()); i < nbox; i += 2)
+        tma_load_2d_multicast(sm.x(s) + i * xgemm::kXBox * BK, tmX, sm.full(s), kb * BK, t.row0 + i * xgemm::kXBox,
+                              0x3);
+    } else {
+      for (int i = 0; i < nbox; ++i)
+        tma_load_2d(sm.x(s) + i * xgemm::kXBox * BK, tmX, sm.full(s), kb * BK, t.row0 + i * xgemm::kXBox);
+    }
     tma_load_2d(sm.scales(s), tmR, sm.full(s), t.row0, kb);
   }
+}
+
+// Pair tasks (the staged launches' MOK_FP8_TASKS=pairs): the two CTAs of a cluster run weight
+// blocks 2 j and 2 j + 1 against one chunk of <= 256 token rows, whose boxes they load half each
+// and multicast, so a CTA pulls 16 KB of weights and 16 KB of tokens from L2 per stage, not 16 + 32
+// (ncu, eleventh session: the column and row tasks of the routed gate/up keep L2 84-91% busy).
+// Task u (< num_tasks; an even block count): expert-major, then chunk, then block, so tasks 2 P and
+// 2 P + 1, the CTAs of cluster P (mod the cluster count), hold one chunk's blocks 2 j, 2 j + 1.
+__device__ __forceinline__ xgemm::Task decode_pair(const xgemm::Params& g, const int* prefix, int u) {
+  const int pairs = g.n_blocks / 2, P = u / 2;
+  const int e = xgemm::find_expert(g, prefix, P, pairs);
+  const int local = P - prefix[e] * pairs;
+  return xgemm::make_task(g, e, 2 * (local % pairs) + u % 2, local / pairs, prefix[e + 1] - prefix[e]);
 }
 
 template <int N>
@@ -254,7 +275,7 @@ __device__ __forceinline__ void mma_slice(const Ring& sm, int s, int cw, float (
 // tokens 0 .. 127 and 128 .. N - 1, each summed, waited for and promoted while the other
 // warpgroup's wgmmas run. acc holds the result in the bf16 tasks' layout (store_task at offset 0);
 // every element is still its k-blocks' promoted sums in ascending order (the 128-token tasks' bits).
-template <int N, class Ring>
+template <int N, bool kPaired, class Ring>
 __device__ __forceinline__ void mma_task_wide(const xgemm::Params& g, const Ring& sm, int cw, float (&acc)[128],
                                               float (&sum)[64], uint32_t& it, const float* ws) {
   constexpr int N0 = N < 128 ? N : 128, N1 = N - N0;
@@ -269,17 +290,24 @@ __device__ __forceinline__ void mma_task_wide(const xgemm::Params& g, const Ring
     gemm::ring_wait<false>(sm.full(s), (it / Ring::kStages) & 1, nullptr);
     mma_slice<N0, 0>(sm, s, cw, acc, sum, wscale, ws);
     if constexpr (N1 > 0) mma_slice<N1, 1>(sm, s, cw, acc, sum, wscale, ws);
-    gemm::release_stage<false>(sm.empty(s));
+    if constexpr (kPaired) {
+      // on both CTAs' rings (the peer multicasts into ours): lane r arrives on CTA r's barrier (one
+      // mapa path; gemm::release_stage<true>'s rank lookup spilled the epilogues)
+      __syncwarp();
+      if (threadIdx.x % 32 < 2) mbar_arrive_remote(sm.empty(s), threadIdx.x % 32);
+    } else {
+      gemm::release_stage<false>(sm.empty(s));
+    }
   }
   fence_regs(acc);
 }
 
 // kChunk: the most token rows a task of the launch has (256, or 128: MOK_FP8_TASK_ROWS).
-template <int kChunk, class Ring>
+template <int kChunk, bool kPaired = false, class Ring>
 __device__ __forceinline__ void mma_task_wide_any(const xgemm::Params& g, const Ring& sm, int cw, float (&acc)[128],
                                                   float (&sum)[64], uint32_t& it, int n_tok, const float* ws) {
   xgemm::with_task_tokens<kChunk / xgemm::kTokAlign>(
-      n_tok, [&](auto n) { mma_task_wide<decltype(n)::value>(g, sm, cw, acc, sum, it, ws); });
+      n_tok, [&](auto n) { mma_task_wide<decltype(n)::value, kPaired>(g, sm, cw, acc, sum, it, ws); });
 }
 
 }  // namespace xgemm8

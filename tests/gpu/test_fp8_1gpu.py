@@ -147,8 +147,17 @@ def test_expert_gemm_fp8_matches_dequantized_products(swiglu, K, N, counts, posi
     monkeypatch.setenv("MOK_FP8_TASK_ROWS", "100")
     with pytest.raises(RuntimeError, match="MOK_FP8_TASK_ROWS must be 128 or 256"):
         run(*other, 0)
+    monkeypatch.setenv("MOK_FP8_TASKS", "pairs")
+    with pytest.raises(RuntimeError, match="MOK_FP8_TASK_ROWS goes with MOK_FP8_TASKS=columns"):
+        run(*other, 0)
+    monkeypatch.delenv("MOK_FP8_TASK_ROWS")
+    # pair tasks in 2-CTA clusters (1 CTA asks for one cluster)
+    other = gemm_bits_over_cta_counts(run, cap, N, swiglu, (0, 1, 6), DEV)
+    for got, want in zip(other, first):
+        if want is not None:
+            assert torch.equal(bits(got), bits(want)), "pair tasks give other bits"
     monkeypatch.setenv("MOK_FP8_TASKS", "diagonal")
-    with pytest.raises(RuntimeError, match="MOK_FP8_TASKS must be rows or columns"):
+    with pytest.raises(RuntimeError, match="MOK_FP8_TASKS must be rows, columns or pairs"):
         run(*other, 0)
     # the bf16 expert GEMM on the unquantized operands: its error against fp64 is the bar for the accumulation
     out_bf16 = torch.full((cap, N), float("nan"), dtype=torch.bfloat16, device=DEV)
@@ -204,9 +213,9 @@ def test_expert_gemm_fp8_dgrads_match_dequantized_products(H, I, counts, monkeyp
     cnt = torch.tensor(counts, dtype=torch.int32, device=DEV)
     dyq, dys = ops.quantize_rows_e4m3(dy.to(DEV))
     first = None
-    for ctas, layout in ((0, "rows"), (1, "rows"), (77, "rows"), (0, "256"), (5, "128")):
-        if layout == "rows":
-            monkeypatch.delenv("MOK_FP8_TASKS", raising=False)
+    for ctas, layout in ((0, "rows"), (1, "rows"), (77, "rows"), (0, "256"), (5, "128"), (0, "pairs"), (6, "pairs")):
+        if layout in ("rows", "pairs"):
+            monkeypatch.setenv("MOK_FP8_TASKS", layout)
             monkeypatch.delenv("MOK_FP8_TASK_ROWS", raising=False)
         else:
             monkeypatch.setenv("MOK_FP8_TASKS", "columns")
@@ -280,14 +289,19 @@ def test_fp8_forward_matches_fp8_reference(kind, shape, monkeypatch):
     # (path, knobs, config fields): the megakernel and the staged launches, CTA counts, minibatch
     # size; the staged repeat 3 keeps the shared expert on the caller's stream (MOK_FWD_OVERLAP=0)
     # and combines in a launch of its own (MOK_FP8_PUSH=0) with e4m3 column tasks of 128 rows
-    # (MOK_FP8_TASKS=columns, MOK_FP8_TASK_ROWS=128), the others push from the down GEMM
+    # (MOK_FP8_TASKS=columns, MOK_FP8_TASK_ROWS=128), the others push from the down GEMM; the
+    # staged repeat 1 runs the default e4m3 tasks, repeat 6 the pair tasks in 3 clusters
     reps = [("mega", {}, {}), ("staged", {}, {}), ("mega", dict(gemm_ctas=1, comm_ctas=3), {}),
             ("staged", dict(gemm_ctas=77, comm_ctas=1), {}), ("mega", dict(gemm_ctas=5), dict(minibatch_rows=128)),
-            ("mega", {}, dict(fwd_comm_sms=1, minibatch_rows=4096))]
+            ("mega", {}, dict(fwd_comm_sms=1, minibatch_rows=4096)), ("staged", dict(gemm_ctas=6), {})]
     for rep, (path, knobs, fields) in enumerate(reps):
         monkeypatch.setenv("MOK_FWD_OVERLAP", "0" if rep == 3 else "1")
         monkeypatch.setenv("MOK_FP8_PUSH", "0" if rep == 3 else "1")
-        monkeypatch.setenv("MOK_FP8_TASKS", "columns" if rep == 3 else "rows")
+        tasks = {3: "columns", 6: "pairs"}.get(rep)
+        if tasks is None:
+            monkeypatch.delenv("MOK_FP8_TASKS", raising=False)
+        else:
+            monkeypatch.setenv("MOK_FP8_TASKS", tasks)
         if rep == 3:
             monkeypatch.setenv("MOK_FP8_TASK_ROWS", "128")
         else:
