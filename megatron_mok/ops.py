@@ -177,10 +177,11 @@ def expert_gemm_fp8(x8, x_scale, w8, w_scale, seg_offsets, seg_counts, out, swig
     down-projection dgrad, plain weights, e.g. fc2's transposed copy): out = dh [rows, 2 N], the
     SwiGLU backward of the products with the pre-activations h [rows, 2 N], as ``expert_dgrad``.
     push = (row_src_rank, row_src_slot, peer_comb) (plain weights): the rows also go into their
-    source slots, the stores of ``combine``, from the epilogue. Row tasks (the default): <= 128 token
-    rows on wgmma's M side against two 128-row weight tiles; ``MOK_FP8_TASKS=columns``: the weights
-    on the M side and up to 256 token rows (``MOK_FP8_TASK_ROWS=128``: 128). Same bits; other
-    values raise."""
+    source slots, the stores of ``combine``, from the epilogue. ``MOK_FP8_TASKS`` picks the task
+    layout (same bits; other values raise): ``rows`` (<= 128 token rows on wgmma's M side against
+    two 128-row weight tiles), ``columns`` (the weights on the M side, up to 256 token rows;
+    ``MOK_FP8_TASK_ROWS=128``: 128), ``pairs`` (columns in 2-CTA clusters sharing the token rows by
+    multicast) or ``auto`` (the default: pairs for SwiGLU, rows otherwise)."""
     rank_of, slot_of, peers = push if push is not None else (None, None, [])
     _ops().expert_gemm_fp8(x8, x_scale, w8, w_scale, seg_offsets, seg_counts, out, pre_out, swiglu, num_ctas, h,
                            rank_of, slot_of, peers)

@@ -320,20 +320,22 @@ decltype(&expert_gemm_fp8_rows_kernel<Epilogue::kPlain>) pick_rows_kernel(Epilog
   }
 }
 
-// MOK_FP8_TASKS: rows (default: expert_gemm_fp8_rows_kernel), columns (expert_gemm_fp8_kernel: the
-// weights on wgmma's M side; MOK_FP8_TASK_ROWS=128 or 256 token rows a task) or pairs (its paired
-// form: 256-row column tasks in 2-CTA clusters; an odd weight-block count runs unpaired). Same bits.
+// MOK_FP8_TASKS: auto (the default: pairs for the SwiGLU forward, rows otherwise; the fastest of
+// each at DeepSeek-V3 EP=2, eleventh session), rows (expert_gemm_fp8_rows_kernel), columns
+// (expert_gemm_fp8_kernel: the weights on wgmma's M side; MOK_FP8_TASK_ROWS=128 or 256 token rows a
+// task) or pairs (its paired form: 256-row column tasks in 2-CTA clusters; an odd weight-block count
+// runs unpaired). Same bits.
 enum class TaskLayout { kRows, kColumns256, kColumns128, kPairs };
 
-const char* task_layout(TaskLayout* layout) {
+const char* task_layout(bool swiglu, TaskLayout* layout) {
   const char* tasks = getenv("MOK_FP8_TASKS");
   const char* rows = getenv("MOK_FP8_TASK_ROWS");
-  const bool pairs = tasks != nullptr && strcmp(tasks, "pairs") == 0;
-  if (tasks == nullptr || pairs || strcmp(tasks, "rows") == 0) {
-    *layout = pairs ? TaskLayout::kPairs : TaskLayout::kRows;
+  const bool automatic = tasks == nullptr || strcmp(tasks, "auto") == 0;
+  if (automatic || strcmp(tasks, "pairs") == 0 || strcmp(tasks, "rows") == 0) {
+    *layout = (automatic ? swiglu : tasks[0] == 'p') ? TaskLayout::kPairs : TaskLayout::kRows;
     return rows == nullptr ? nullptr : "mok expert_gemm_fp8: MOK_FP8_TASK_ROWS goes with MOK_FP8_TASKS=columns";
   }
-  if (strcmp(tasks, "columns") != 0) return "mok expert_gemm_fp8: MOK_FP8_TASKS must be rows, columns or pairs";
+  if (strcmp(tasks, "columns") != 0) return "mok expert_gemm_fp8: MOK_FP8_TASKS must be auto, rows, columns or pairs";
   if (rows == nullptr || strcmp(rows, "256") == 0) {
     *layout = TaskLayout::kColumns256;
     return nullptr;
@@ -372,7 +374,7 @@ const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, in
     return m;
   }
   TaskLayout layout;
-  if (const char* m = task_layout(&layout)) return m;
+  if (const char* m = task_layout(swiglu, &layout)) return m;
   const bool rows_layout = layout == TaskLayout::kRows;
   const int task_tok = layout == TaskLayout::kColumns128 || rows_layout ? 128 : xgemm8::kWideTok;
   const int nkb = xgemm8::k_blocks(K);

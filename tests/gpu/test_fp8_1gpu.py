@@ -118,8 +118,8 @@ def _segments(counts, K, gen):
 ])
 def test_expert_gemm_fp8_matches_dequantized_products(swiglu, K, N, counts, positive, monkeypatch):
     """Real rows against fp64 products of the dequantized operands, padding rows +0, rows past the
-    last segment untouched, bits independent of the CTA count and of the task layout (row tasks, the
-    default; column tasks of 256 or 128 token rows: MOK_FP8_TASKS=columns, MOK_FP8_TASK_ROWS). The
+    last segment untouched, bits independent of the CTA count and of the task layout (MOK_FP8_TASKS:
+    auto, the default; rows; columns of 256 or 128 token rows, MOK_FP8_TASK_ROWS; pairs). The
     accumulation must lose no more
     than the bf16 expert GEMM does on the same shapes (its error against fp64 products of its own
     operands): e4m3 wgmma sums each 128-K block only, fp32 sums the blocks."""
@@ -136,14 +136,20 @@ def test_expert_gemm_fp8_matches_dequantized_products(swiglu, K, N, counts, posi
     cnt = torch.tensor(counts, dtype=torch.int32, device=DEV)
     run = lambda out, h, ctas: ops.expert_gemm_fp8(xq, xs, qw.q, qw.scale, seg, cnt, out, swiglu,  # noqa: E731
                                                    pre_out=h, num_ctas=ctas)
-    first = gemm_bits_over_cta_counts(run, cap, N, swiglu, (0, 1, 5, 77), DEV)
-    monkeypatch.setenv("MOK_FP8_TASKS", "columns")
-    for task_rows in ("256", "128"):
-        monkeypatch.setenv("MOK_FP8_TASK_ROWS", task_rows)
-        other = gemm_bits_over_cta_counts(run, cap, N, swiglu, (0, 5), DEV)
+    first = gemm_bits_over_cta_counts(run, cap, N, swiglu, (0, 1, 5, 77), DEV)  # the default (auto)
+    # every explicit layout: (MOK_FP8_TASKS, MOK_FP8_TASK_ROWS, CTA counts); pairs: 1 CTA asks for one cluster
+    for tasks, task_rows, ctas in (("rows", None, (0, 5)), ("columns", "256", (0, 5)), ("columns", "128", (0, 5)),
+                                   ("pairs", None, (0, 1, 6))):
+        monkeypatch.setenv("MOK_FP8_TASKS", tasks)
+        if task_rows is None:
+            monkeypatch.delenv("MOK_FP8_TASK_ROWS", raising=False)
+        else:
+            monkeypatch.setenv("MOK_FP8_TASK_ROWS", task_rows)
+        other = gemm_bits_over_cta_counts(run, cap, N, swiglu, ctas, DEV)
         for got, want in zip(other, first):
             if want is not None:
-                assert torch.equal(bits(got), bits(want)), f"column tasks of {task_rows} rows give other bits"
+                assert torch.equal(bits(got), bits(want)), f"{tasks} tasks ({task_rows} rows) give other bits"
+    monkeypatch.setenv("MOK_FP8_TASKS", "columns")
     monkeypatch.setenv("MOK_FP8_TASK_ROWS", "100")
     with pytest.raises(RuntimeError, match="MOK_FP8_TASK_ROWS must be 128 or 256"):
         run(*other, 0)
@@ -151,13 +157,8 @@ def test_expert_gemm_fp8_matches_dequantized_products(swiglu, K, N, counts, posi
     with pytest.raises(RuntimeError, match="MOK_FP8_TASK_ROWS goes with MOK_FP8_TASKS=columns"):
         run(*other, 0)
     monkeypatch.delenv("MOK_FP8_TASK_ROWS")
-    # pair tasks in 2-CTA clusters (1 CTA asks for one cluster)
-    other = gemm_bits_over_cta_counts(run, cap, N, swiglu, (0, 1, 6), DEV)
-    for got, want in zip(other, first):
-        if want is not None:
-            assert torch.equal(bits(got), bits(want)), "pair tasks give other bits"
     monkeypatch.setenv("MOK_FP8_TASKS", "diagonal")
-    with pytest.raises(RuntimeError, match="MOK_FP8_TASKS must be rows, columns or pairs"):
+    with pytest.raises(RuntimeError, match="MOK_FP8_TASKS must be auto, rows, columns or pairs"):
         run(*other, 0)
     # the bf16 expert GEMM on the unquantized operands: its error against fp64 is the bar for the accumulation
     out_bf16 = torch.full((cap, N), float("nan"), dtype=torch.bfloat16, device=DEV)
@@ -213,8 +214,9 @@ def test_expert_gemm_fp8_dgrads_match_dequantized_products(H, I, counts, monkeyp
     cnt = torch.tensor(counts, dtype=torch.int32, device=DEV)
     dyq, dys = ops.quantize_rows_e4m3(dy.to(DEV))
     first = None
-    for ctas, layout in ((0, "rows"), (1, "rows"), (77, "rows"), (0, "256"), (5, "128"), (0, "pairs"), (6, "pairs")):
-        if layout in ("rows", "pairs"):
+    for ctas, layout in ((0, "auto"), (1, "auto"), (77, "auto"), (0, "rows"), (0, "256"), (5, "128"), (0, "pairs"),
+                         (6, "pairs")):
+        if layout in ("auto", "rows", "pairs"):
             monkeypatch.setenv("MOK_FP8_TASKS", layout)
             monkeypatch.delenv("MOK_FP8_TASK_ROWS", raising=False)
         else:
