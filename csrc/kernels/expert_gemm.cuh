@@ -136,16 +136,24 @@ __device__ __forceinline__ int find_expert(const Params& p, const int* prefix, i
 
 // Weight block `block` of expert e against its chunk c (of ch = chunks_of(rows)). An expert's rows
 // split into ch chunks of whole kTokAlign-row units, as equal as the units allow (each <= 256
-// rows, none empty).
+// rows, none empty); kFullUnits > 0 (the e4m3 row tasks): chunks of kFullUnits units, the last
+// one the rest.
+template <int kFullUnits = 0>
 __device__ __forceinline__ Task make_task(const Params& p, int e, int block, int c, int ch) {
   Task t;
   t.seg = e;
   t.block = block;
   const int rows = seg_rows(p, e);
   const int units = (rows + kTokAlign - 1) / kTokAlign;
-  const int q = units / ch, r = units % ch;
-  const int first = c * q + min(c, r);
-  t.n_tok = kTokAlign * (q + (c < r ? 1 : 0));
+  int first;
+  if constexpr (kFullUnits > 0) {
+    first = c * kFullUnits;
+    t.n_tok = kTokAlign * min(kFullUnits, units - first);
+  } else {
+    const int q = units / ch, r = units % ch;
+    first = c * q + min(c, r);
+    t.n_tok = kTokAlign * (q + (c < r ? 1 : 0));
+  }
   t.row0 = p.seg_offsets[e] + kTokAlign * first;
   t.n_real = max(0, min(min(t.n_tok, rows - kTokAlign * first), p.a_rows - t.row0));
   t.pad0 = t.pad1 = 0;

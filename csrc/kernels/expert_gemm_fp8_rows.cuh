@@ -66,13 +66,15 @@ __device__ __forceinline__ int num_tasks(const xgemm::Params& g, const int* pref
 }
 
 // Task u: expert-major, then tile pair, then chunk (the chunks of one pair run side by side and
-// share its weights in L2); chunks of <= 128 rows (prefix from build_chunk_prefix<kTok>).
+// share its weights in L2); chunks of 128 rows, the last one the rest (prefix from
+// build_chunk_prefix<kTok>): equal chunks fill more m64 tiles (170 rows as 96 + 80 take four, as
+// 128 + 48 three).
 __device__ __forceinline__ xgemm::Task decode(const xgemm::Params& g, const int* prefix, int u) {
   const int nb = task_blocks(g);
   const int e = xgemm::find_expert(g, prefix, u, nb);
   const int ch = prefix[e + 1] - prefix[e];
   const int local = u - prefix[e] * nb;
-  return xgemm::make_task(g, e, local / ch, local % ch, ch);
+  return xgemm::make_task<kTok / xgemm::kTokAlign>(g, e, local / ch, local % ch, ch);
 }
 
 // Producer thread: per stage the task's weight tiles, its token rows (64-row boxes) and their 128
