@@ -442,7 +442,8 @@ void megakernel(const Tensor& x, const Tensor& fc1, const Tensor& fc2, const std
     check_cuda(fp8[8], "shared_seg", at::kInt);
     TORCH_CHECK(fp8[8].numel() == 3, "megatron_mok: shared_seg holds [0, T, T]");
     TORCH_CHECK(peer_xs.size() == peer_x.size(), "megatron_mok: peer_xs and peer_x differ in length");
-    TORCH_CHECK(xs_pitch >= H / 128, "megatron_mok: xs_pitch ", xs_pitch, " is below H / 128 = ", H / 128);
+    MOK_CHECK(xs_pitch >= H / 128, "megatron_mok: xs_pitch %lld is below H / 128 = %lld",
+              static_cast<long long>(xs_pitch), static_cast<long long>(H / 128));
   }
   TORCH_CHECK(act.dim() == 2 && act.size(0) == cap && act.size(1) == I, "megatron_mok: act [cap, I]");
   TORCH_CHECK(y_routed.dim() == 2 && y_routed.size(0) == cap && y_routed.size(1) == H, "megatron_mok: y_routed [cap, H]");

@@ -532,7 +532,7 @@ const char* dgrad_maps(CUtensorMap* tw, CUtensorMap* tx, const void* w, int nseg
 template <int kS>
 const char* launch(const TMaps& tm, const Params& p, int num_comm, int num_compute, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = launch_config(kThreads, BwdRing<kS>::kBytes, stream, false, nullptr);
-  static const int at_once = units_at_once(bwd_megakernel<kS>, cfg, false, "mok bwd_megakernel");
+  const int at_once = units_at_once(bwd_megakernel<kS>, cfg, false, "mok bwd_megakernel");
   if (at_once == 0) return "mok bwd_megakernel: cannot raise the shared-memory limit";
   const int compute = num_compute > 0 ? num_compute : std::max(1, at_once - num_comm);
   cfg.gridDim = dim3(num_comm + compute);

@@ -9,6 +9,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include <mutex>
+#include <vector>
+
 #include "launch.h"
 
 namespace mok {
@@ -584,11 +587,26 @@ inline cudaLaunchConfig_t launch_config(int threads, int smem_bytes, cudaStream_
   return cfg;
 }
 
-// Raises kernel's shared-memory limit to cfg's and returns how many of its CTAs (unpaired) or
-// 2-CTA clusters (paired) fit on the GPU at once; 0: the limit could not be raised. MOK_VERBOSE
-// prints the figure.
+// How many of kernel's CTAs (unpaired) or 2-CTA clusters (paired) fit on the current device at once,
+// its shared-memory limit raised to cfg's there first; 0: the limit could not be raised. Both are
+// per device (one process may drive several GPUs), so the figure is cached per (kernel, device):
+// the occupancy query costs host time at every launch. MOK_VERBOSE prints the figure.
 template <typename Kernel>
 int units_at_once(Kernel kernel, const cudaLaunchConfig_t& cfg, bool paired, const char* name) {
+  struct Entry {
+    const void* kernel;
+    int device, smem, units;
+  };
+  static std::mutex mu;
+  static std::vector<Entry> cache;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  const void* key = reinterpret_cast<const void*>(kernel);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const Entry& e : cache)
+      if (e.kernel == key && e.device == dev && e.smem == static_cast<int>(cfg.dynamicSmemBytes)) return e.units;
+  }
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, cfg.dynamicSmemBytes) != cudaSuccess)
     return 0;
   int units = paired ? num_sms() / 2 : num_sms();
@@ -600,7 +618,10 @@ int units_at_once(Kernel kernel, const cudaLaunchConfig_t& cfg, bool paired, con
     cudaGetLastError();
   }
   if (getenv("MOK_VERBOSE") != nullptr)
-    fprintf(stderr, "%s: paired=%d, %d %s fit at once\n", name, paired, units, paired ? "clusters" : "CTAs");
+    fprintf(stderr, "%s: paired=%d, %d %s fit at once on device %d\n", name, paired, units,
+            paired ? "clusters" : "CTAs", dev);
+  std::lock_guard<std::mutex> lock(mu);
+  cache.push_back(Entry{key, dev, static_cast<int>(cfg.dynamicSmemBytes), units});
   return units;
 }
 

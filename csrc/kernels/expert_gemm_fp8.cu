@@ -400,10 +400,7 @@ const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, in
   cudaLaunchAttribute cluster;
   cudaLaunchConfig_t cfg = launch_config(xgemm::kThreads, smem, stream, paired, &cluster);
   // CTAs (clusters: paired) the launch can run at once
-  static int clusters_at_once[4] = {};  // per epilogue (the occupancy query costs host time each launch)
-  int& cached = clusters_at_once[static_cast<int>(epi)];
-  if (paired && cached == 0) cached = units_at_once(kernel, cfg, true, "expert_gemm_fp8");
-  const int at_once = paired ? cached : units_at_once(kernel, cfg, false, "expert_gemm_fp8");
+  const int at_once = units_at_once(kernel, cfg, paired, "expert_gemm_fp8");
   if (at_once == 0) return "mok expert_gemm_fp8: cannot raise the shared-memory limit";
   // row tasks and clusters take two weight blocks a unit
   const int64_t blocks = rows_layout || paired ? (p.g.n_blocks + 1) / 2 : p.g.n_blocks;

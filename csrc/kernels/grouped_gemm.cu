@@ -76,7 +76,7 @@ const char* launch(const CUtensorMap& tmA, const CUtensorMap& tmB, const gemm::P
   auto kernel = grouped_gemm_kernel<kSwiGLU, kPaired>;
   cudaLaunchAttribute cluster;
   cudaLaunchConfig_t cfg = launch_config(gemm::kThreads, gemm::kSmemBytes, stream, kPaired, &cluster);
-  static const int at_once = units_at_once(kernel, cfg, kPaired, "mok grouped_gemm");
+  const int at_once = units_at_once(kernel, cfg, kPaired, "mok grouped_gemm");
   if (at_once == 0) return "mok grouped_gemm: cannot raise the shared-memory limit";
   int units = num_ctas > 0 ? (kPaired ? num_ctas / 2 : num_ctas) : at_once;
   units = max(1, min(units, max_units));

@@ -643,7 +643,7 @@ template <bool kPaired, bool kFp8>
 const char* launch(const TMaps& tm, Params p, int num_comm, int num_compute, cudaStream_t stream) {
   cudaLaunchAttribute cluster;
   cudaLaunchConfig_t cfg = launch_config(kThreads, kFp8 ? kMegaSmemBytesFp8 : kMegaSmemBytes, stream, kPaired, &cluster);
-  static const int at_once = units_at_once(megakernel<kPaired, kFp8>, cfg, kPaired, "mok megakernel");
+  const int at_once = units_at_once(megakernel<kPaired, kFp8>, cfg, kPaired, "mok megakernel");
   if (at_once == 0) return "mok megakernel: cannot raise the shared-memory limit";
   const int per = kPaired ? 2 : 1;  // CTAs per unit
   const int comm_units = ceil_div(num_comm, per);
