@@ -69,6 +69,13 @@ void barrier(Tensor& state, Tensor& errors, std::vector<int64_t> peer_flags, int
                             static_cast<int>(bump_gather), current_stream()));
 }
 
+void barrier_open(Tensor& state, std::vector<int64_t> peer_flags, int64_t rank) {
+  check_cuda(state, "state", at::kInt);
+  c10::cuda::CUDAGuard guard(state.device());
+  check(mok::launch_barrier_open(peers(peer_flags, "peer_flags"), state.data_ptr<int>(), static_cast<int>(rank),
+                                 static_cast<int>(peer_flags.size()), current_stream()));
+}
+
 // dst (this rank's symmetric buffer) <- src, then a barrier (one launch); probs (fp32 [T, k],
 // optional): non-finite router weights are flagged in errors before the barrier.
 void publish_barrier(const Tensor& src, Tensor& dst, Tensor& state, Tensor& errors, std::vector<int64_t> peer_flags,
@@ -881,6 +888,7 @@ TORCH_LIBRARY(megatron_mok, m) {
       "publish_barrier(Tensor src, Tensor(a!) dst, Tensor(b!) state, Tensor(c!) errors, int[] peer_flags, int rank, "
       "float timeout_s, Tensor? probs=None) -> ()");
   m.def("barrier(Tensor(a!) state, Tensor(b!) errors, int[] peer_flags, int rank, float timeout_s, int bump_gather) -> ()");
+  m.def("barrier_open(Tensor(a!) state, int[] peer_flags, int rank) -> ()");
   m.def(
       "build_schedule(Tensor top_experts, Tensor(a!) routing_buf, Tensor(b!) state, Tensor(c!) errors, "
       "Tensor(d!) top_all, Tensor(e!) row_src_rank, Tensor(f!) row_src_slot, Tensor(g!) expert_counts, "
@@ -953,6 +961,7 @@ TORCH_LIBRARY(megatron_mok, m) {
 TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("publish_barrier", &publish_barrier);
   m.impl("barrier", &barrier);
+  m.impl("barrier_open", &barrier_open);
   m.impl("build_schedule", &build_schedule);
   m.impl("dispatch", &dispatch);
   m.impl("grouped_gemm", &grouped_gemm);

@@ -252,14 +252,15 @@ def quantize_expert_weights(fc1, fc2, transposed: bool = False) -> fp8.FP8Expert
                                 fp8.E4M3Weight(*w1[2:], swiglu=False), fp8.E4M3Weight(*w2[2:], swiglu=False))
 
 
-def _routed_dgrads_fp8(w8, dyq, dys, h, offsets, counts, dh, dx_rows) -> None:
+def _routed_dgrads_fp8(w8, dyq, dys, h, offsets, counts, dh, dx_rows, push=None) -> None:
     """The routed dgrads on block-scaled e4m3 operands: dh = swiglu_backward(h, dy @ fc2[e]) from dy
     in e4m3 along H (dyq, dys: quantized by the pull) against fc2's transposed copy, then
     dx_rows = dh @ fc1[e] from dh quantized in gate/up pair blocks against fc1's transposed copy
-    (rows up to the last segment's end)."""
+    (rows up to the last segment's end). push = (row_src_rank, row_src_slot, peer slot buffers): the
+    second GEMM's epilogue also stores the dx rows into their source slots (``bwd_push``'s stores)."""
     ops.expert_gemm_fp8(dyq, dys, w8.fc2_t.q, w8.fc2_t.scale, offsets, counts, dh, False, h=h)
     dhq, dhs = ops.quantize_rows_e4m3(dh, offsets[-1:], gate_up_pairs=True)
-    ops.expert_gemm_fp8(dhq, dhs, w8.fc1_t.q, w8.fc1_t.scale, offsets, counts, dx_rows, False)
+    ops.expert_gemm_fp8(dhq, dhs, w8.fc1_t.q, w8.fc1_t.scale, offsets, counts, dx_rows, False, push=push)
 
 
 def _mark(wanted) -> torch.cuda.Event | None:
@@ -309,7 +310,8 @@ def _shared_gate_up(x, shared_fc1, keep_gate_up: bool, gemm_ctas: int):
 
 def _fp8_push_enabled() -> bool:
     """MOK_FP8_PUSH=0: the staged fp8 forward combines in a launch of its own after the down GEMM
-    instead of in its epilogue (same bits; read per call, so a benchmark can A/B it)."""
+    instead of in its epilogue, and the fp8 backward pushes its dx rows in ``bwd_push`` after the fc1
+    dgrad instead of in that GEMM's epilogue (same bits; read per call, so a benchmark can A/B it)."""
     return os.environ.get("MOK_FP8_PUSH", "1") != "0"
 
 
@@ -573,6 +575,12 @@ def _bwd_overlap_enabled() -> bool:
     return os.environ.get("MOK_BWD_OVERLAP", "1") != "0"
 
 
+def _bwd_side_early() -> bool:
+    """MOK_BWD_SIDE_EARLY=0: the backward's side-stream work waits for the pull to finish instead of
+    starting beside it (same bits; read per call, so a benchmark can A/B it)."""
+    return os.environ.get("MOK_BWD_SIDE_EARLY", "1") != "0"
+
+
 def _bwd_gemms_on_torch() -> bool:
     """MOK_BWD_GEMM=torch runs the routed backward GEMMs as ``torch._grouped_mm`` (with
     ``swiglu_backward`` and gathers into the tight layout) instead of mok's expert-major GEMMs
@@ -662,15 +670,17 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     2. ``bwd_pull``: every routed row pulls its grad_out row and router weight from the source rank,
        ``dy = w * g`` (bf16, the forward's padded rows; padding rows 0), and pushes ``<g, y_routed>``
        (the router-weight gradient, fp32, fixed order) into the source's symmetric ``[T * k]`` buffer;
-    3. shared expert (mok's expert-major GEMMs, one segment of T rows): on a side stream launched
-       after the pull, joined before step 6 (``MOK_BWD_OVERLAP=0``: on the caller's stream after
-       step 4);
+    3. shared expert (mok's expert-major GEMMs, one segment of T rows) and, fp8, the dispatched
+       e4m3 rows dequantized for the fc1 weight gradient: on a side stream beside the pull (launched
+       after it, waiting on an event from before it; ``MOK_BWD_SIDE_EARLY=0``: from after it),
+       joined before step 6 (``MOK_BWD_OVERLAP=0``: on the caller's stream after step 4);
     4. routed dgrad, the critical path to the push: ``h = x_routed @ fc1[e]^T`` from the context (or,
        when the forward did not keep it, recomputed by the forward's SwiGLU GEMM: the same bits),
        ``dh = swiglu_backward(h, dy @ fc2[e])`` and ``dx_rows = dh @ fc1[e]`` (``expert_dgrad``, the
        expert-major GEMM reading the weights MN-major, the SwiGLU backward fused into the first);
        ``bwd_push``: dx rows into the source ranks' symmetric ``[T * k, H]`` slots, opening the
-       closing barrier;
+       closing barrier (fp8, ``MOK_FP8_PUSH`` on by default: the fc1 dgrad's epilogue stores them
+       and ``barrier_open`` opens the barrier);
     5. routed wgrad while the peers finish pushing (``expert_wgrad``, reading the padded rows):
        ``dfc2[e] = dy^T @ act``, ``dfc1[e] = dh^T @ x_routed``; experts without rows get exact zeros;
     6. ``bwd_epilogue_wait``: closes the barrier, ``dx[t] = sum_s slot[t, s]`` in slot order in fp32
@@ -707,8 +717,6 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
                                    main_grads)
     if ctx is None:
         ctx = recompute_forward_context(cfg, ws, sched, x, fc1, fc2, shared_fc1)
-    if ctx.x_routed is None:  # fp8: the dispatched e4m3 rows as bf16 (the weight gradient's operand)
-        ctx = dataclasses.replace(ctx, x_routed=routed_rows(ctx, sched))
 
     c = _comm(ws)
     T, H, k, cap = ws.num_tokens, ws.hidden, ws.topk, sched.capacity
@@ -725,6 +733,12 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
         kernel = "staged"
         w8 = fp8_weights if fp8_weights is not None and fp8_weights.has_transposed else \
             quantize_expert_weights(fc1, fc2, transposed=True)
+    mega = kernel == "mega" and not on_torch and nle <= ops.BWD_MEGAKERNEL_MAX_EXPERTS
+    # fp8: the dispatched e4m3 rows as bf16, the fc1 weight gradient's operand. The staged launches
+    # need them only then (the gate/up products are kept), so they dequantize on the side stream.
+    defer_x = ctx.x_routed is None and ctx.h is not None and not mega
+    if ctx.x_routed is None and not defer_x:
+        ctx = dataclasses.replace(ctx, x_routed=routed_rows(ctx, sched))
     bf16 = dict(dtype=torch.bfloat16, device=ws.device)
     fc1, fc2 = fc1.contiguous(), fc2.contiguous()
     g = _aligned(grad_out)
@@ -741,7 +755,7 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
 
     # steps 2-5 in one persistent launch (more local experts than its prefix holds: the staged
     # launches, with the same bits)
-    if kernel == "mega" and not on_torch and nle <= ops.BWD_MEGAKERNEL_MAX_EXPERTS:
+    if mega:
         h = ctx.h if ctx.h is not None else _recompute_gate_up(ctx.x_routed, fc1, sched)
         dy, dh, dx_rows = (torch.empty((cap, n), **bf16) for n in (H, 2 * I, H))
         dfc1, dfc2 = torch.empty_like(fc1), torch.empty_like(fc2)
@@ -782,22 +796,30 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     if w8 is not None:  # the fp8 dgrad's operand, quantized by the pull on the way
         dyq = torch.empty((cap, H), dtype=torch.float8_e4m3fn, device=ws.device)
         dys = torch.empty((H // fp8.BLOCK, -(-cap // 4) * 4), dtype=torch.float32, device=ws.device)
+    main = torch.cuda.current_stream(ws.device)
+    side = _side_stream(ws.device) if (shared_fc1 is not None or defer_x) and _bwd_overlap_enabled() else None
+    before_pull = _mark(side if _bwd_side_early() else None)
     ops.bwd_pull(sched.row_src_rank, sched.row_src_slot, row_offs, ctx.y_routed, dy, g_ptrs, p_ptrs, dw_ptrs, k,
                  comm_ctas, trow=trow, q=dyq, q_scale=dys)
 
-    # 3. the shared expert needs only g: with MOK_BWD_OVERLAP (default on) it runs on a side stream
-    # launched after the pull, filling the SMs the NVLink-bound pull and the routed chain leave idle
-    side = _side_stream(ws.device) if shared_fc1 is not None and _bwd_overlap_enabled() else None
-
+    # 3. the shared expert needs only g and x, the deferred dequantization only the context: with
+    # MOK_BWD_OVERLAP (default on) they run on a side stream launched after the pull, waiting on an
+    # event from just before it (MOK_BWD_SIDE_EARLY=0: from after it), so the NVLink-bound pull gets
+    # its CTAs first and the side work fills the SMs it and the routed chain leave idle
     def shared_backward():
         if on_torch:
             return _shared_backward(ctx, g, x, shared_fc1, shared_fc2)
         return _shared_backward_mok(c, ctx, g, x, shared_fc1, shared_fc2)
 
+    shared, x_routed, x_ready = None, ctx.x_routed, None
     if side is not None:
-        side.wait_stream(torch.cuda.current_stream(ws.device))
+        side.wait_event(before_pull if before_pull is not None else _mark(True))
         with torch.cuda.stream(side):
-            shared = shared_backward()
+            if defer_x:
+                x_routed = routed_rows(ctx, sched)
+                x_ready = _mark(True)
+            if shared_fc1 is not None:
+                shared = shared_backward()
 
     # 4. routed dgrad first (the critical path to the push): h = x_routed @ fc1[e]^T from the context
     # (or recomputed by the forward's SwiGLU GEMM: the same bits), da = dy @ fc2[e],
@@ -805,6 +827,7 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     # device value; padding rows are zero and add nothing)
     h = ctx.h if ctx.h is not None else _recompute_gate_up(ctx.x_routed, fc1, sched)  # padded rows
     dh = torch.empty((cap, 2 * I), **bf16)
+    pushed = False
     if on_torch:
         da = torch._grouped_mm(dy, fc2, offs=row_offs[1:])  # [cap, I]
         ops.swiglu_backward(h, da, dh, row_offs, trow=trow)
@@ -812,7 +835,10 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
         dx_rows = torch._grouped_mm(dh, fc1, offs=row_offs[1:])  # [cap, H]
     elif w8 is not None:  # e4m3 operands, the weights' transposed copies (K-major)
         dx_rows = torch.empty((cap, H), **bf16)
-        _routed_dgrads_fp8(w8, dyq, dys, h, offsets, counts, dh, dx_rows)
+        # MOK_FP8_PUSH (default on): the fc1 dgrad's epilogue pushes the dx rows (no bwd_push launch)
+        pushed = _fp8_push_enabled()
+        _routed_dgrads_fp8(w8, dyq, dys, h, offsets, counts, dh, dx_rows,
+                           push=(sched.row_src_rank, sched.row_src_slot, slot_ptrs) if pushed else None)
         del h, dyq, dys
     else:  # expert-major GEMMs (weights MN-major); the SwiGLU backward in the first one's epilogue
         ops.expert_dgrad(dy, fc2, offsets, counts, dh, h=h)
@@ -823,10 +849,19 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     # push dx rows into the source ranks' slots (opens the closing barrier); 5. the weight gradients
     # then run while the peers finish pushing: dfc2[e] = dy^T @ act, dfc1[e] = dh^T @ x_routed;
     # experts without rows get exact zeros
-    ops.bwd_push(dx_rows, sched.row_src_rank, sched.row_src_slot, row_offs, c.state, slot_ptrs, c.flag_ptrs, ws.rank,
-                 comm_ctas, trow=trow)
+    if pushed:
+        ops.barrier_open(c.state, c.flag_ptrs, ws.rank)
+    else:
+        ops.bwd_push(dx_rows, sched.row_src_rank, sched.row_src_slot, row_offs, c.state, slot_ptrs, c.flag_ptrs,
+                     ws.rank, comm_ctas, trow=trow)
     del dx_rows
-    if shared_fc1 is not None and side is None:
+    if defer_x:  # the dequantized rows: from the side stream, or here
+        if x_ready is not None:
+            main.wait_event(x_ready)
+            x_routed.record_stream(main)
+        else:
+            x_routed = routed_rows(ctx, sched)
+    if shared_fc1 is not None and shared is None:
         shared = shared_backward()
     if on_torch:  # act and x_routed gathered into the tight layout first
         act_t = torch.empty((cap, I), **bf16)
@@ -835,7 +870,7 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
         del act_t, dy
         ops.zero_empty_segments(dfc2, counts)
         x_t = torch.empty((cap, H), **bf16)
-        ops.gather_rows(ctx.x_routed, x_t, trow, row_offs, comm_ctas)
+        ops.gather_rows(x_routed, x_t, trow, row_offs, comm_ctas)
         dfc1 = torch._grouped_mm(dh.t(), x_t, offs=row_offs[1:])  # [nle, 2I, H]
         del x_t, dh
         ops.zero_empty_segments(dfc1, counts)
@@ -844,14 +879,14 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
         ops.expert_wgrad(dy, offsets, ctx.act, offsets, counts, dfc2)
         del dy
         dfc1 = torch.empty((nle, 2 * I, H), **bf16)
-        ops.expert_wgrad(dh, offsets, ctx.x_routed, offsets, counts, dfc1)
+        ops.expert_wgrad(dh, offsets, x_routed, offsets, counts, dfc1)
         del dh
 
     dsfc1 = dsfc2 = shared_dx = None
+    if side is not None:  # join; the side stream's results are used on this stream from here on
+        main.wait_stream(side)
     if shared_fc1 is not None:
-        if side is not None:  # join; the side stream's results are used on this stream from here on
-            main = torch.cuda.current_stream(ws.device)
-            main.wait_stream(side)
+        if side is not None:
             for t in shared:
                 t.record_stream(main)
         dsfc1, dsfc2, shared_dx = shared

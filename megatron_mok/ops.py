@@ -60,7 +60,7 @@ def _register_fakes() -> None:
     def _noop(*args, **kwargs):
         return None
 
-    for name in ("barrier", "publish_barrier", "build_schedule", "dispatch", "grouped_gemm",
+    for name in ("barrier", "barrier_open", "publish_barrier", "build_schedule", "dispatch", "grouped_gemm",
                  "combine", "moe_epilogue", "moe_epilogue_wait", "megakernel", "megakernel_timeline",
                  "bwd_publish", "bwd_pull",
                  "bwd_tight_map", "gather_rows", "swiglu_backward", "expert_dgrad", "expert_wgrad", "zero_empty_segments", "bwd_push",
@@ -95,6 +95,12 @@ def publish_barrier(src, dst, state, errors, peer_flags: list[int], rank: int, t
 
 def barrier(state, errors, peer_flags: list[int], rank: int, timeout_s: float, bump_gather: bool = False) -> None:
     _ops().barrier(state, errors, peer_flags, rank, float(timeout_s), int(bump_gather))
+
+
+def barrier_open(state, peer_flags: list[int], rank: int) -> None:
+    """The opening half of a device barrier: this rank's next epoch into every peer's flags, after the
+    stream's earlier kernels (``bwd_epilogue_wait`` closes it)."""
+    _ops().barrier_open(state, peer_flags, rank)
 
 
 def build_schedule(top_experts, routing_buf, state, errors, top_all, row_src_rank, row_src_slot, expert_counts,

@@ -14,7 +14,8 @@ Backends (same inputs, same weights, bf16, one shared expert of size Is = I):
   mok@F=V+F=V  mok with MoKConfig fields set, e.g. mok@fwd_comm_sms=8+minibatch_rows=2048 (knobs: same bits)
   mok_ab    mok with the kernel environment variable of --ab-env (default MOK_GEMM_EXPERT=0: the
             staged routed GEMMs token-major); the kernels' A/B switches keep the bits, which is checked
-  mok%NAME=VALUE  the same for any MOK_ kernel switch, several per run (e.g. mok%MOK_GEMM_PAIRED=0;
+  mok%NAME=VALUE  the same for any MOK_ kernel switches, several per backend and run (e.g.
+            mok%MOK_GEMM_PAIRED=0, mok@precision=fp8%MOK_FP8_PUSH=0%MOK_BWD_SIDE_EARLY=0;
             mok@precision=fp8%MOK_FORWARD=mega: the fp8 forward megakernel, not the staged default)
   mok_recompute  mok with MoKConfig(save_gate_up=False): the forward keeps no gate/up outputs and
             the backward recomputes them (the activation-checkpointing memory mode)
@@ -211,20 +212,22 @@ def backend_mok_recompute(c, dev):
     return backend_mok(c, dev, save_gate_up=False, name="mok_recompute")
 
 
-def backend_mok_env(c, dev, name: str, env: tuple[str, str], overrides=None):
+def backend_mok_env(c, dev, name: str, env: tuple[tuple[str, str], ...], overrides=None):
     # kernel_path reads MOK_FORWARD once, at import: that switch picks the path directly
-    path = env[1] if env[0] == "MOK_FORWARD" else None
+    path = dict(env).get("MOK_FORWARD")
     step, ws = backend_mok(c, dev, path=path, name=name, overrides=overrides)
 
     def env_step():
-        with env_var(*env):
+        with contextlib.ExitStack() as stack:
+            for pair in env:
+                stack.enter_context(env_var(*pair))
             return step()
 
     return env_step, ws
 
 
 def backend_mok_ab(c, dev):
-    return backend_mok_env(c, dev, "mok_ab", AB_ENV)
+    return backend_mok_env(c, dev, "mok_ab", (AB_ENV,))
 
 
 def forward_runs_megakernel(be: str) -> bool:
@@ -233,16 +236,21 @@ def forward_runs_megakernel(be: str) -> bool:
 
     if be == "mok_staged":
         return False
-    path = parse_env_backend(be)[1] if "%MOK_FORWARD=" in be else None
+    path = dict(parse_env_backend(be)).get("MOK_FORWARD") if "%" in be else None
     return kernel_path.forward_path(path, config_overrides(be).get("precision", "bf16")) == "mega"
 
 
-def parse_env_backend(be: str) -> tuple[str, str]:
-    """'mok%MOK_GEMM_PAIRED=0' -> ('MOK_GEMM_PAIRED', '0')."""
-    name, _, value = be.partition("%")[2].partition("=")
-    if not name.startswith("MOK_") or not value:
-        raise ValueError(f"backend {be!r}: want mok%NAME=VALUE with a MOK_ kernel switch")
-    return name, value
+def parse_env_backend(be: str) -> tuple[tuple[str, str], ...]:
+    """'mok%MOK_GEMM_PAIRED=0%MOK_FP8_PUSH=0' -> (('MOK_GEMM_PAIRED', '0'), ('MOK_FP8_PUSH', '0'))."""
+    pairs = []
+    for item in be.split("%")[1:]:
+        name, _, value = item.partition("=")
+        if not name.startswith("MOK_") or not value:
+            raise ValueError(f"backend {be!r}: want mok%NAME=VALUE[%NAME=VALUE...] with MOK_ kernel switches")
+        pairs.append((name, value))
+    if not pairs:
+        raise ValueError(f"backend {be!r}: want mok%NAME=VALUE[%NAME=VALUE...] with MOK_ kernel switches")
+    return tuple(pairs)
 
 
 def busy_time(spans: list[tuple[float, float]]) -> tuple[float, float]:
@@ -952,7 +960,7 @@ def main() -> None:
             except ValueError as exc:
                 p.error(str(exc))
         elif b not in BACKENDS:
-            p.error(f"unknown backend {b!r}; choose from {BACKENDS}, mok@FIELD=VALUE+FIELD=VALUE or mok%NAME=VALUE")
+            p.error(f"unknown backend {b!r}; choose from {BACKENDS}, mok@FIELD=VALUE+FIELD=VALUE or mok%NAME=VALUE[%NAME=VALUE]")
 
     if args.child_out is not None:
         import torch.distributed._symmetric_memory as symm_mem

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,5 +71,11 @@ def test_backend_names_parse_fields_and_switches():
     assert bl.config_overrides("mok@precision=fp8+fp8_dgrad=false") == {"precision": "fp8", "fp8_dgrad": False}
     # fields before a kernel switch; the switch is parse_env_backend's
     assert bl.config_overrides("mok@precision=fp8%MOK_FWD_OVERLAP=0") == {"precision": "fp8"}
-    assert bl.parse_env_backend("mok@precision=fp8%MOK_FWD_OVERLAP=0") == ("MOK_FWD_OVERLAP", "0")
+    assert bl.parse_env_backend("mok@precision=fp8%MOK_FWD_OVERLAP=0") == (("MOK_FWD_OVERLAP", "0"),)
+    assert bl.parse_env_backend("mok@precision=fp8%MOK_FP8_PUSH=0%MOK_BWD_SIDE_EARLY=0") == \
+        (("MOK_FP8_PUSH", "0"), ("MOK_BWD_SIDE_EARLY", "0"))
+    assert bl.config_overrides("mok@precision=fp8%MOK_FP8_PUSH=0%MOK_BWD_SIDE_EARLY=0") == {"precision": "fp8"}
+    for bad in ("mok%FOO=1", "mok%MOK_FP8_PUSH=0%MOK_X", "mok%MOK_FP8_PUSH="):
+        with pytest.raises(ValueError, match="MOK_ kernel switch"):
+            bl.parse_env_backend(bad)
     assert bl.config_overrides("mok%MOK_BWD_KERNEL=mega") == {}

@@ -16,6 +16,15 @@ __global__ void barrier_kernel(PeerPtrs flags, int* state, int* errors, int rank
   barrier_block(flags, state, errors, rank, ep, timeout_ns, bump_gather);
 }
 
+// The opening half only: this rank's next epoch into every peer's buffer (after the stream's earlier
+// kernels, e.g. a GEMM that pushed rows into the peers); a later wait closes it.
+__global__ void barrier_open_kernel(PeerPtrs flags, int* state, int rank, int ep) {
+  __shared__ int s_epoch;
+  if (threadIdx.x == 0) s_epoch = barrier_next_epoch(state, 0);
+  __syncthreads();
+  barrier_arrive(flags, rank, ep, s_epoch, threadIdx.x, blockDim.x);
+}
+
 // errors[kErrNonfiniteProbs] = max(it, 1 + last token with a NaN/inf weight) over probs [n / k, k],
 // the value functional.flag_nonfinite_probs records. All threads of the grid (whole warps) call it.
 __device__ void flag_nonfinite_probs(const float* __restrict__ probs, int n, int k, int* errors) {
@@ -44,6 +53,12 @@ const char* launch_barrier(const PeerPtrs& flags, int* state, int* errors, int r
                            int bump_gather, cudaStream_t stream) {
   if (ep < 1 || ep > kMaxPeers || rank < 0 || rank >= ep) return "mok barrier: bad rank / EP size";
   barrier_kernel<<<1, 32, 0, stream>>>(flags, state, errors, rank, ep, timeout_ns, bump_gather);
+  return launch_status();
+}
+
+const char* launch_barrier_open(const PeerPtrs& flags, int* state, int rank, int ep, cudaStream_t stream) {
+  if (ep < 1 || ep > kMaxPeers || rank < 0 || rank >= ep) return "mok barrier_open: bad rank / EP size";
+  barrier_open_kernel<<<1, 32, 0, stream>>>(flags, state, rank, ep);
   return launch_status();
 }
 

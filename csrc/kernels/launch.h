@@ -46,6 +46,10 @@ const char* launch_publish_barrier(const void* src, void* dst, int64_t bytes, co
 const char* launch_barrier(const PeerPtrs& flags, int* state, int* errors, int rank, int ep, uint64_t timeout_ns,
                            int bump_gather, cudaStream_t stream);
 
+// The opening half of that barrier alone (after the stream's earlier kernels); a later wait on the
+// same epoch (bwd_epilogue with wait_flags) closes it.
+const char* launch_barrier_open(const PeerPtrs& flags, int* state, int rank, int ep, cudaStream_t stream);
+
 // Scratch int32 elements that launch_schedule needs (uninitialised is fine).
 int64_t schedule_scratch_ints(int ep, int T, int nle, int num_experts);
 

@@ -110,6 +110,47 @@ def _suite(rank: int, world: int) -> list[str]:
         check(f"backward_megakernel_equals_staged[{kind}-{shape}]",
               lambda kind=kind, shape=shape: mega_equals_staged(kind, shape))
 
+    def fp8_backward(kind, shape):
+        """The fp8 backward at EP=2 (e4m3 dgrads, the fc1 dgrad pushing the dx rows into the peer's
+        slots) against the reference on the reference fp8 context; the same bits with the pushes in
+        bwd_push, the side stream waiting for the pull or off, and unpaired wgrad tasks."""
+        import os
+
+        from megatron_mok import MoKConfig, reference
+
+        from ._bwd import check_close, clone_all
+        from ._util import make_case
+
+        cfg, ws, top, w, gen = make_case(shape, kind, 1000 * rank + 31 + len(kind), dev, MoKConfig(precision="fp8"),
+                                         world)
+        g = torch.randn(shape[0], shape[1], generator=gen).bfloat16().to(dev)
+        sched = kp.build_schedule(cfg, ws, top)
+        _, ctx = kp.forward(cfg, ws, sched, *w)
+        base = clone_all(grads_list(kp.backward(cfg, ws, sched, ctx, g, *w)))
+        sync_poison(ws)
+        f = lambda t: None if t is None else t.float()  # noqa: E731
+        x, probs, fc1, fc2, sfc1, sfc2 = w
+        rs = build_schedule_reference(ws, top)
+        rctx = reference.recompute_forward_context(ws, rs, f(x), f(fc1), f(fc2), f(sfc1), "fp8")
+        ref = list(reference.backward(ws, rs, rctx, f(g), f(x), probs, f(fc1), f(fc2), f(sfc1), f(sfc2),
+                                      dgrad_precision=cfg.dgrad_precision))
+        errs = check_close(base, ref)
+        for knob, value in (("MOK_FP8_PUSH", "0"), ("MOK_BWD_SIDE_EARLY", "0"), ("MOK_BWD_OVERLAP", "0")):
+            os.environ[knob] = value
+            try:
+                got = grads_list(kp.backward(cfg, ws, sched, ctx, g, *w))
+                torch.cuda.synchronize()
+                assert_bitwise(got, base, f"{knob}={value}")
+            finally:
+                os.environ.pop(knob)
+            sync_poison(ws)
+        ws.check_errors(blocking=True)
+        return "max rel err " + " ".join(f"{n}={e:.1e}" for n, e in errs.items())
+
+    for kind, shape in (("skewed", (384, 512, 256, 256, 16, 4)), ("one_expert", (256, 384, 256, 128, 8, 2))):
+        check(f"fp8_backward_vs_reference_and_knobs[{kind}]",
+              lambda kind=kind, shape=shape: fp8_backward(kind, shape))
+
     def stalled_peer():
         from megatron_mok import MoKConfig
 
