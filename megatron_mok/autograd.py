@@ -15,9 +15,12 @@ class _MoKMoE(torch.autograd.Function):
     def forward(ctx, x, probs, fc1, fc2, shared_fc1, shared_fc2, cfg, ws, sched, main_grads):
         fp8_weights = None
         if cfg.precision == "fp8":  # quantized once per weight version (fp8.WeightCache)
-            # the dgrads' transposed copies only when a backward can follow
+            # the dgrads' transposed copies only when a backward can follow; the shared expert's
+            # weights when its forward runs in e4m3
+            shared = (shared_fc1, shared_fc2) if cfg.shared_precision == "fp8" and shared_fc1 is not None else (None, None)
             fp8_weights = fp8.WEIGHT_CACHE.get(fc1, fc2, functional.quantize_expert_weights,
-                                               transposed=cfg.dgrad_precision == "fp8" and any(ctx.needs_input_grad))
+                                               transposed=cfg.dgrad_precision == "fp8" and any(ctx.needs_input_grad),
+                                               shared_fc1=shared[0], shared_fc2=shared[1])
         out, fwd_ctx = functional.forward(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2,
                                           fp8_weights=fp8_weights)
         ctx.cfg, ctx.ws, ctx.sched, ctx.fwd_ctx, ctx.main_grads = cfg, ws, sched, fwd_ctx, main_grads

@@ -1,6 +1,6 @@
 """Tuning knobs of the mok MoE layer.
 
-Every knob except ``precision`` and ``fp8_dgrad`` changes only *how* the layer is computed (SM
+Every knob except ``precision``, ``fp8_dgrad`` and ``fp8_shared`` changes only *how* the layer is computed (SM
 split, pipelining granularity, buffer sizes), never a result bit. Invalid values raise
 ``MoKConfigError`` naming the field.
 """
@@ -35,12 +35,14 @@ class MoKConfig:
     capacity_factor: fraction of the worst case (every token of every rank routed here) that the
         routed-row buffer holds; 1.0 can never overflow. Overflow raises, it never drops tokens.
     precision: "bf16", or "fp8": the routed experts' forward GEMMs on block-scaled e4m3 operands
-        (megatron_mok/fp8.py; either forward path, same bits; shared expert, weight gradients and
-        outputs stay bf16). Unlike the other knobs it changes results (within the e4m3
-        quantization).
+        (megatron_mok/fp8.py; either forward path, same bits; weight gradients and outputs stay
+        bf16). Unlike the other knobs it changes results (within the e4m3 quantization).
     fp8_dgrad: with precision "fp8", also the backward's routed dgrads (dy against fc2, dh against
         fc1) on e4m3 operands (the staged backward launches); False: they stay bf16. Changes
         results like precision does.
+    fp8_shared: with precision "fp8", also the shared expert's forward GEMMs on e4m3 operands (when
+        its intermediate size is a multiple of 128; its backward stays bf16: e4m3 dgrads measured
+        slower, docs/KERNELS.md); False: they stay bf16. Changes results like precision does.
     peer_timeout_s: how long a device-side wait on a peer rank may spin before it reports a
         stalled peer instead of hanging.
     save_gate_up: keep the gate/up GEMM outputs for the backward (2 I bf16 per routed row, 2 Is
@@ -54,6 +56,7 @@ class MoKConfig:
     capacity_factor: float = 1.0
     precision: str = "bf16"
     fp8_dgrad: bool = True
+    fp8_shared: bool = True
     peer_timeout_s: float = 30.0
     save_gate_up: bool = True
 
@@ -80,7 +83,7 @@ class MoKConfig:
             raise MoKConfigError(
                 f"MoKConfig.precision must be one of {PRECISIONS}, got {self.precision!r}"
             )
-        for name in ("save_gate_up", "fp8_dgrad"):
+        for name in ("save_gate_up", "fp8_dgrad", "fp8_shared"):
             if not isinstance(getattr(self, name), bool):
                 raise MoKConfigError(f"MoKConfig.{name} must be a bool, got {getattr(self, name)!r}")
         t = self.peer_timeout_s
@@ -94,6 +97,12 @@ class MoKConfig:
     def dgrad_precision(self) -> str:
         """The precision of the backward's routed dgrads."""
         return "fp8" if self.precision == "fp8" and self.fp8_dgrad else "bf16"
+
+    @property
+    def shared_precision(self) -> str:
+        """The precision of the shared expert's forward GEMMs (``fp8.shared_in_e4m3`` decides whether
+        a shared expert of a given size can run in e4m3)."""
+        return "fp8" if self.precision == "fp8" and self.fp8_shared else "bf16"
 
 
 def routed_capacity(cfg: MoKConfig, ep_size: int, num_tokens: int, topk: int, num_local_experts: int) -> int:

@@ -59,6 +59,12 @@ def check_k(name: str, k: int) -> None:
         raise ValueError(f"fp8: {name} has {k} columns, not a multiple of the {BLOCK}-column scale blocks")
 
 
+def shared_in_e4m3(shared_fc1: torch.Tensor | None) -> bool:
+    """Whether the fp8 forward runs the shared expert's GEMMs on e4m3 operands too: when its
+    intermediate size Is is a multiple of the scale blocks (otherwise it stays bf16)."""
+    return shared_fc1 is not None and (shared_fc1.shape[0] // 2) % BLOCK == 0
+
+
 def pair_columns(t: torch.Tensor) -> torch.Tensor:
     """[..., 2N] holding [gate | up] -> gate/up pair order: 64 gate columns, then the same 64 up
     columns, and so on (N a multiple of 64)."""
@@ -156,30 +162,46 @@ def quantize_weight(w: torch.Tensor, swiglu: bool) -> E4M3Weight:
 
 @dataclasses.dataclass
 class FP8ExpertWeights:
-    """The routed experts' fc1 and fc2 in e4m3 (``quantize_expert_weights``), and for the
-    backward's dgrads their transposed copies (``E4M3Weight.transposed``; None unless asked for)."""
+    """The routed experts' fc1 and fc2 in e4m3 (``quantize_expert_weights``), for the backward's
+    dgrads their transposed copies (``E4M3Weight.transposed``; None unless asked for), and ``shared``:
+    the shared expert's fc1 and fc2 for its forward, as one-expert stacks ([1, 2 Is, H], [1, H, Is];
+    None unless given and ``shared_in_e4m3``)."""
 
     fc1: E4M3Weight
     fc2: E4M3Weight
     fc1_t: E4M3Weight | None = None
     fc2_t: E4M3Weight | None = None
+    shared: "FP8ExpertWeights | None" = None
 
     def matches(self, fc1: torch.Tensor, fc2: torch.Tensor) -> bool:
         return tuple(self.fc1.q.shape) == tuple(fc1.shape) and tuple(self.fc2.q.shape) == tuple(fc2.shape)
+
+    def shared_for(self, shared_fc1, shared_fc2=None) -> "FP8ExpertWeights | None":
+        """``shared`` if it was quantized from weights of these shapes (shared_fc2 None: fc1's alone
+        is checked)."""
+        s = self.shared
+        if s is None or shared_fc1 is None or tuple(s.fc1.q.shape[1:]) != tuple(shared_fc1.shape):
+            return None
+        if shared_fc2 is not None and tuple(s.fc2.q.shape[1:]) != tuple(shared_fc2.shape):
+            return None
+        return s
 
     @property
     def has_transposed(self) -> bool:
         return self.fc1_t is not None and self.fc2_t is not None
 
 
-def quantize_expert_weights(fc1: torch.Tensor, fc2: torch.Tensor, transposed: bool = False) -> FP8ExpertWeights:
+def quantize_expert_weights(fc1: torch.Tensor, fc2: torch.Tensor, transposed: bool = False, shared_fc1=None,
+                            shared_fc2=None) -> FP8ExpertWeights:
     """Quantize the routed experts' weights once per weight version (device ops, no host sync);
-    transposed: also the dgrads' copies."""
+    transposed: also the dgrads' copies; shared_fc1/shared_fc2: also the shared expert's weights
+    (when ``shared_in_e4m3``)."""
     with torch.no_grad():
         w1, w2 = quantize_weight(fc1, swiglu=True), quantize_weight(fc2, swiglu=False)
-        if transposed:
-            return FP8ExpertWeights(w1, w2, w1.transposed(), w2.transposed())
-        return FP8ExpertWeights(w1, w2)
+        out = FP8ExpertWeights(w1, w2, w1.transposed(), w2.transposed()) if transposed else FP8ExpertWeights(w1, w2)
+        if shared_in_e4m3(shared_fc1) and shared_fc2 is not None:
+            out.shared = quantize_expert_weights(shared_fc1[None], shared_fc2[None])  # forward only
+        return out
 
 
 class WeightCache:
@@ -195,15 +217,20 @@ class WeightCache:
         self._entries: dict = {}
         self._hook = None
 
-    def get(self, fc1: torch.Tensor, fc2: torch.Tensor, quantize, transposed: bool = False) -> FP8ExpertWeights:
-        """The entry of (fc1, fc2); a miss calls ``quantize(fc1, fc2, transposed)``."""
-        key = (fc1.data_ptr(), fc2.data_ptr(), tuple(fc1.shape), tuple(fc2.shape), fc1.device, transposed)
-        version = (fc1._version, fc2._version)
+    def get(self, fc1: torch.Tensor, fc2: torch.Tensor, quantize, transposed: bool = False, shared_fc1=None,
+            shared_fc2=None) -> FP8ExpertWeights:
+        """The entry of (fc1, fc2) (and the shared expert's weights, if given); a miss calls
+        ``quantize(fc1, fc2, transposed)`` (``quantize(fc1, fc2, transposed, shared_fc1, shared_fc2)``
+        with shared weights)."""
+        ws = [w for w in (fc1, fc2, shared_fc1, shared_fc2) if w is not None]
+        key = (tuple((w.data_ptr(), tuple(w.shape)) for w in ws), fc1.device, transposed)
+        version = tuple(w._version for w in ws)
         hit = self._entries.get(key)
-        if hit is not None and hit[0] == version and hit[1]() is fc1 and hit[2]() is fc2:
-            return hit[3]
-        weights = quantize(fc1, fc2, transposed)
-        self._entries[key] = (version, weakref.ref(fc1), weakref.ref(fc2), weights)
+        if hit is not None and hit[0] == version and all(r() is w for r, w in zip(hit[1], ws)):
+            return hit[2]
+        shared = () if shared_fc1 is None else (shared_fc1, shared_fc2)
+        weights = quantize(fc1, fc2, transposed, *shared)
+        self._entries[key] = (version, [weakref.ref(w) for w in ws], weights)
         return weights
 
     def clear(self) -> None:

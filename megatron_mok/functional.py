@@ -98,16 +98,21 @@ def build_schedule(cfg: MoKConfig, ws: MoKWorkspace, top_experts: torch.Tensor) 
     return build_schedule_reference(ws, top_experts)
 
 
-def quantize_expert_weights(fc1: torch.Tensor, fc2: torch.Tensor, transposed: bool = False) -> fp8.FP8ExpertWeights:
+def quantize_expert_weights(fc1: torch.Tensor, fc2: torch.Tensor, transposed: bool = False, shared_fc1=None,
+                            shared_fc2=None) -> fp8.FP8ExpertWeights:
     """The routed experts' weights in block-scaled e4m3 for ``forward(..., fp8_weights=)`` (and
     ``backward``) with ``MoKConfig(precision="fp8")``. Quantize once per weight version (e.g. per
     optimizer step). transposed: also the copies the backward's fp8 dgrads read
-    (``MoKConfig.fp8_dgrad``)."""
+    (``MoKConfig.fp8_dgrad``); shared_fc1/shared_fc2: also the shared expert's weights, which the
+    forward otherwise quantizes in every call (``MoKConfig.fp8_shared``)."""
     fp8.check_k("fc1 (H)", fc1.shape[-1])
     fp8.check_k("fc2 (I)", fc2.shape[-1])
-    if fc1.dtype == torch.bfloat16 and fc2.dtype == torch.bfloat16 and _use_kernels(fc1):
-        return _kernel_path().quantize_expert_weights(fc1, fc2, transposed)
-    return fp8.quantize_expert_weights(fc1, fc2, transposed)
+    if (shared_fc1 is None) != (shared_fc2 is None):
+        raise MoKInputError("quantize_expert_weights: shared_fc1 and shared_fc2 go together")
+    ws = [w for w in (fc1, fc2, shared_fc1, shared_fc2) if w is not None]
+    if all(w.dtype == torch.bfloat16 for w in ws) and _use_kernels(fc1):
+        return _kernel_path().quantize_expert_weights(fc1, fc2, transposed, shared_fc1, shared_fc2)
+    return fp8.quantize_expert_weights(fc1, fc2, transposed, shared_fc1, shared_fc2)
 
 
 def _check_fp8(cfg: MoKConfig, ws: MoKWorkspace, fc1, fc2, fp8_weights) -> None:
@@ -147,7 +152,8 @@ def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1,
         # step is a collective, so every rank must raise together or the healthy ones would hang.
         dist.all_reduce(ws.errors, op=dist.ReduceOp.MAX, group=ws.group)
     ws.check_errors(blocking=True)
-    return reference.forward(ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, cfg.precision)
+    return reference.forward(ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, cfg.precision,
+                             cfg.shared_precision)
 
 
 def recompute_forward_context(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, fc1, fc2,
@@ -157,7 +163,8 @@ def recompute_forward_context(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedu
     if _use_kernels(x):
         return _kernel_path().recompute_forward_context(cfg, ws, sched, x, fc1, fc2, shared_fc1,
                                                         fp8_weights=fp8_weights)
-    return reference.recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1, cfg.precision)
+    return reference.recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1, cfg.precision,
+                                               cfg.shared_precision)
 
 
 def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out, x, probs, fc1, fc2,

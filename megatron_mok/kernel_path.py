@@ -208,15 +208,31 @@ def build_schedule(cfg: MoKConfig, ws: MoKWorkspace, top_experts: torch.Tensor) 
 # ---- forward ------------------------------------------------------------------------------------
 
 
-def _publish_fp8(cfg, ws, x):
-    """Quantize this rank's rows into symmetric buffers (one scale per row and 128 columns), then a
-    barrier. Returns (peer e4m3 rows, peer scale rows, scale pitch in floats)."""
+def _x_e4m3_buffers(ws):
+    """This rank's rows quantized by ``_publish_fp8``: the symmetric e4m3 row and scale-row buffers
+    ((tensor, peer pointers) each) and the scale pitch in floats."""
     c = _comm(ws)
     T, H = ws.num_tokens, ws.hidden
     pitch = -(-(H // fp8.BLOCK) // 4) * 4  # whole 16-byte row pieces for the row copies
     # the row copies move bf16 pairs: e4m3 bytes and fp32 scales ride as bf16-typed rows
-    q_sym, q_ptrs = c.buffer("x_e4m3", (T, H // 2), torch.bfloat16)
-    s_sym, s_ptrs = c.buffer("x_scale", (T, 2 * pitch), torch.bfloat16)
+    return c.buffer("x_e4m3", (T, H // 2), torch.bfloat16), c.buffer("x_scale", (T, 2 * pitch), torch.bfloat16), pitch
+
+
+def _published_x_e4m3(ws):
+    """(x e4m3 [T, H], scales [H / 128, ld]) for ``expert_gemm_fp8`` from ``_publish_fp8``'s buffers
+    (the bits of ``quantize_rows_e4m3(x)``; valid until the forward's closing barrier)."""
+    (q_sym, _), (s_sym, _), _ = _x_e4m3_buffers(ws)
+    T, nkb = ws.num_tokens, ws.hidden // fp8.BLOCK
+    xs = torch.empty((nkb, -(-T // 4) * 4), dtype=torch.float32, device=ws.device)
+    xs[:, :T].copy_(s_sym.view(torch.float32)[:, :nkb].t())
+    return q_sym.view(torch.float8_e4m3fn), xs
+
+
+def _publish_fp8(cfg, ws, x):
+    """Quantize this rank's rows into symmetric buffers (one scale per row and 128 columns), then a
+    barrier. Returns (peer e4m3 rows, peer scale rows, scale pitch in floats)."""
+    c = _comm(ws)
+    (q_sym, q_ptrs), (s_sym, s_ptrs), pitch = _x_e4m3_buffers(ws)
     ops.quantize_rows_e4m3_into(x.contiguous(), q_sym.view(torch.float8_e4m3fn), s_sym.view(torch.float32),
                                 scale_rows=True)
     ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
@@ -239,17 +255,32 @@ def _dispatch_fp8(cfg, ws, sched, x, comm_ctas, during_dispatch=None):
     return q_routed.view(torch.float8_e4m3fn), s_routed.view(torch.float32)
 
 
-def quantize_expert_weights(fc1, fc2, transposed: bool = False) -> fp8.FP8ExpertWeights:
+def quantize_expert_weights(fc1, fc2, transposed: bool = False, shared_fc1=None,
+                            shared_fc2=None) -> fp8.FP8ExpertWeights:
     """``fp8.quantize_expert_weights`` on the device (the same bits; DeepSeek-V3's 128 local experts:
     4.3 ms, 6.1 ms with the transposed copies, ~113 ms in PyTorch); transposed: the dgrads' copies
-    from the same pass."""
+    from the same pass; shared_fc1/shared_fc2: the shared expert's too (``_shared_weights_e4m3``)."""
     with torch.no_grad():
         w1 = ops.quantize_weight_e4m3(fc1.contiguous(), True, transposed)
         w2 = ops.quantize_weight_e4m3(fc2.contiguous(), False, transposed)
     if not transposed:
-        return fp8.FP8ExpertWeights(fp8.E4M3Weight(*w1, swiglu=True), fp8.E4M3Weight(*w2, swiglu=False))
-    return fp8.FP8ExpertWeights(fp8.E4M3Weight(*w1[:2], swiglu=True), fp8.E4M3Weight(*w2[:2], swiglu=False),
-                                fp8.E4M3Weight(*w1[2:], swiglu=False), fp8.E4M3Weight(*w2[2:], swiglu=False))
+        out = fp8.FP8ExpertWeights(fp8.E4M3Weight(*w1, swiglu=True), fp8.E4M3Weight(*w2, swiglu=False))
+    else:
+        out = fp8.FP8ExpertWeights(fp8.E4M3Weight(*w1[:2], swiglu=True), fp8.E4M3Weight(*w2[:2], swiglu=False),
+                                   fp8.E4M3Weight(*w1[2:], swiglu=False), fp8.E4M3Weight(*w2[2:], swiglu=False))
+    if fp8.shared_in_e4m3(shared_fc1) and shared_fc2 is not None:
+        out.shared = quantize_expert_weights(shared_fc1.unsqueeze(0), shared_fc2.unsqueeze(0))
+    return out
+
+
+def _shared_weights_e4m3(shared_fc1, shared_fc2=None) -> tuple[fp8.E4M3Weight, fp8.E4M3Weight | None]:
+    """The shared expert's fc1 and fc2 (None: not quantized) in e4m3, as one-expert stacks."""
+    with torch.no_grad():
+        w1 = fp8.E4M3Weight(*ops.quantize_weight_e4m3(shared_fc1.contiguous().unsqueeze(0), True), swiglu=True)
+        if shared_fc2 is None:
+            return w1, None
+        w2 = ops.quantize_weight_e4m3(shared_fc2.contiguous().unsqueeze(0), False)
+    return w1, fp8.E4M3Weight(*w2, swiglu=False)
 
 
 def _routed_dgrads_fp8(w8, dyq, dys, h, offsets, counts, dh, dx_rows, push=None) -> None:
@@ -298,14 +329,45 @@ def routed_rows(ctx: KernelContext, sched: MoKSchedule) -> torch.Tensor:
     return x
 
 
-def _shared_gate_up(x, shared_fc1, keep_gate_up: bool, gemm_ctas: int):
-    """The shared expert's gate/up GEMM with SwiGLU: (shared_act [T, Is], shared_h [T, 2 Is] or None)."""
+def _shared_gate_up(ws, x, shared_fc1, keep_gate_up: bool, gemm_ctas: int, seg=None, w8=None):
+    """The shared expert's gate/up GEMM with SwiGLU: (shared_act [T, Is], shared_h [T, 2 Is] or None).
+    seg (the fp8 forward, ``fp8.shared_in_e4m3``; ``_Comm.shared_seg``): on e4m3 operands (x as
+    ``_publish_fp8`` quantized it, the weights ``w8``, an ``fp8.E4M3Weight``), the shared expert one
+    segment of T rows; h is always kept."""
     T = x.shape[0]
     bf16 = dict(dtype=torch.bfloat16, device=x.device)
     shared_act = torch.empty((T, shared_fc1.shape[0] // 2), **bf16)
-    shared_h = torch.empty((T, shared_fc1.shape[0]), **bf16) if keep_gate_up else None
+    shared_h = torch.empty((T, shared_fc1.shape[0]), **bf16) if keep_gate_up or seg is not None else None
+    if seg is not None:
+        xq, xs = _published_x_e4m3(ws)
+        ops.expert_gemm_fp8(xq, xs, w8.q, w8.scale, seg[:2], seg[2:], shared_act, True, pre_out=shared_h,
+                            num_ctas=gemm_ctas)
+        return shared_act, shared_h
     ops.grouped_gemm(x.contiguous(), shared_fc1.contiguous(), None, shared_act, True, gemm_ctas, pre_out=shared_h)
     return shared_act, shared_h
+
+
+def _shared_down(shared_act, shared_fc2, gemm_ctas: int, seg=None, w8=None) -> torch.Tensor:
+    """The shared expert's down GEMM: shared_y [T, H]; seg: on e4m3 operands (``_shared_gate_up``)."""
+    shared_fc2 = shared_fc2.contiguous()
+    shared_y = torch.empty((shared_act.shape[0], shared_fc2.shape[0]), dtype=torch.bfloat16,
+                           device=shared_act.device)
+    if seg is not None:
+        aq, as_ = ops.quantize_rows_e4m3(shared_act)
+        ops.expert_gemm_fp8(aq, as_, w8.q, w8.scale, seg[:2], seg[2:], shared_y, False, num_ctas=gemm_ctas)
+    else:
+        ops.grouped_gemm(shared_act, shared_fc2, None, shared_y, False, gemm_ctas)
+    return shared_y
+
+
+def _shared_e4m3(cfg: MoKConfig, ws: MoKWorkspace, shared_fc1, shared_fc2=None, fp8_weights=None):
+    """(segment, e4m3 fc1, e4m3 fc2) of the shared expert when the fp8 forward runs it on e4m3
+    operands (weights from ``fp8_weights`` when it holds them, else quantized here; shared_fc2 None:
+    fc1's only), else Nones."""
+    if cfg.shared_precision != "fp8" or not fp8.shared_in_e4m3(shared_fc1):
+        return None, None, None
+    w = fp8_weights.shared_for(shared_fc1, shared_fc2) if fp8_weights is not None else None
+    return (_comm(ws).shared_seg, *((w.fc1, w.fc2) if w is not None else _shared_weights_e4m3(shared_fc1, shared_fc2)))
 
 
 def _fp8_push_enabled() -> bool:
@@ -322,12 +384,14 @@ def _fwd_overlap_enabled() -> bool:
 
 
 def _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1, *, keep_gate_up: bool, gemm_ctas=0,
-                          comm_ctas=0, fp8_weights=None, during_dispatch=None, push=None) -> KernelContext:
+                          comm_ctas=0, fp8_weights=None, during_dispatch=None, push=None,
+                          shared_e4m3=None) -> KernelContext:
     """Steps 1-4 of the forward. Peers may still read this rank's x buffer afterwards: the caller
     ends with a barrier before any rank rewrites it (``forward``: before the epilogue).
     during_dispatch(event): called once the dispatch is launched, with an event recorded just
     before it (side-stream work that waits on the event can run beside the dispatch). push (fp8:
-    the peers' combine buffers): the down GEMM also pushes the rows into their source slots."""
+    the peers' combine buffers): the down GEMM also pushes the rows into their source slots.
+    shared_e4m3: ``_shared_e4m3``'s answer when the caller has it."""
     T, H, cap = ws.num_tokens, ws.hidden, sched.capacity
     I = fc1.shape[1] // 2
     bf16 = dict(dtype=torch.bfloat16, device=ws.device)
@@ -349,7 +413,8 @@ def _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1, *, keep_gate_
             during_dispatch(started)
     shared_act = shared_h = None
     if shared_fc1 is not None:
-        shared_act, shared_h = _shared_gate_up(x, shared_fc1, keep_gate_up, gemm_ctas)
+        seg, sw1, _ = shared_e4m3 or _shared_e4m3(cfg, ws, shared_fc1, fp8_weights=fp8_weights)
+        shared_act, shared_h = _shared_gate_up(ws, x, shared_fc1, keep_gate_up, gemm_ctas, seg, sw1)
     act = torch.empty((cap, I), **bf16)
     h = torch.empty((cap, 2 * I), **bf16) if keep_gate_up else None
     y_routed = torch.empty((cap, H), **bf16)
@@ -390,20 +455,37 @@ def _forward_mega(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, ou
     h = torch.empty((cap, 2 * I), **bf16) if cfg.save_gate_up or quant is not None else None
     y_routed = torch.empty((cap, H), **bf16)
     shared_h = None
-    if shared_fc1 is not None:
+    seg, sw1, sw2 = _shared_e4m3(cfg, ws, shared_fc1, shared_fc2, fp8_weights)
+    if seg is not None:
+        # the e4m3 shared expert runs as the staged path's launches (the same bits), on a side stream
+        # beside the kernel; the epilogue adds its output
+        side, main = _side_stream(ws.device), torch.cuda.current_stream(ws.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            shared_act, shared_h = _shared_gate_up(ws, x, shared_fc1, True, gemm_ctas, seg, sw1)
+            shared_y = _shared_down(shared_act, shared_fc2, gemm_ctas, seg, sw2)
+        kernel_shared = (None, None, torch.empty((0,), **bf16), None, torch.empty((0,), **bf16))
+    elif shared_fc1 is not None:
         shared_fc1, shared_fc2 = shared_fc1.contiguous(), shared_fc2.contiguous()
         shared_act = torch.empty((T, shared_fc1.shape[0] // 2), **bf16)
         shared_h = torch.empty((T, shared_fc1.shape[0]), **bf16) if cfg.save_gate_up else None
         shared_y = torch.empty((T, H), **bf16)
+        kernel_shared = (shared_fc1, shared_fc2, shared_act, shared_h, shared_y)
     else:
         shared_act = shared_y = torch.empty((0,), **bf16)
+        kernel_shared = (None, None, shared_act, None, shared_y)
     counters = c.counters(ops.megakernel_counter_ints(cap, T, I // fp8.BLOCK if quant is not None else 0))
-    ops.megakernel(x, fc1.contiguous(), fc2.contiguous(), shared_fc1, shared_fc2, sched.row_src_rank,
+    k_sfc1, k_sfc2, k_sact, k_sh, k_sy = kernel_shared
+    ops.megakernel(x, fc1.contiguous(), fc2.contiguous(), k_sfc1, k_sfc2, sched.row_src_rank,
                    sched.row_src_slot, sched.expert_counts, sched.expert_offsets, x_routed, act, h, y_routed,
-                   shared_act, shared_h, shared_y, counters, c.state, ws.errors, x_ptrs, comb_ptrs, c.flag_ptrs,
+                   k_sact, k_sh, k_sy, counters, c.state, ws.errors, x_ptrs, comb_ptrs, c.flag_ptrs,
                    ws.rank, k,
                    comm_ctas if comm_ctas > 0 else cfg.fwd_comm_sms, gemm_ctas, cfg.minibatch_rows,
                    min(cfg.peer_timeout_s, MEGA_WATCHDOG_S), quant)
+    if seg is not None:  # join; the side stream's tensors are used on this stream from here on
+        main.wait_stream(side)
+        for t in (shared_act, shared_h, shared_y):
+            t.record_stream(main)
     if out is None:
         out = torch.empty((T, H), **bf16)
     ops.moe_epilogue_wait(comb, probs.contiguous(), shared_y if shared_fc1 is not None else None, out, c.state,
@@ -442,7 +524,8 @@ def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1,
     reason = _unsupported_reason(ws, x, fc1, shared_fc1)
     if reason is not None:
         _fallback(reason)
-        return reference.forward(ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, cfg.precision)
+        return reference.forward(ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, cfg.precision,
+                                 cfg.shared_precision)
     if path == "mega":
         return _forward_mega(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, out, gemm_ctas, comm_ctas,
                              fp8_weights)
@@ -461,15 +544,23 @@ def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1,
     main = torch.cuda.current_stream(ws.device)
     shared = []
 
+    # fp8: the shared expert's segment and e4m3 weights (quantized, if fp8_weights lacks them, on the
+    # stream that runs the shared expert)
+    shared_e4m3 = []
+
     def shared_gate_up(started):
         side.wait_event(started)
         with torch.cuda.stream(side):
-            shared.extend(_shared_gate_up(x, shared_fc1, keep, gemm_ctas))
+            shared_e4m3.extend(_shared_e4m3(cfg, ws, shared_fc1, shared_fc2, fp8_weights))
+            shared.extend(_shared_gate_up(ws, x, shared_fc1, keep, gemm_ctas, *shared_e4m3[:2]))
+
+    if side is None and shared_fc1 is not None:
+        shared_e4m3.extend(_shared_e4m3(cfg, ws, shared_fc1, shared_fc2, fp8_weights))
 
     ctx = _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1 if side is None else None,
                                 keep_gate_up=cfg.save_gate_up, gemm_ctas=gemm_ctas, comm_ctas=comm_ctas,
                                 fp8_weights=fp8_weights, during_dispatch=shared_gate_up if side else None,
-                                push=push)
+                                push=push, shared_e4m3=tuple(shared_e4m3))
     routed_done = _mark(side if push is None else None)
     if push is None:
         ops.combine(ctx.y_routed, sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, c.state, comb_ptrs,
@@ -480,12 +571,10 @@ def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1,
             if routed_done is not None:
                 side.wait_event(routed_done)
             with torch.cuda.stream(side):
-                shared_y = torch.empty((T, H), dtype=torch.bfloat16, device=ws.device)
-                ops.grouped_gemm(shared[0], shared_fc2.contiguous(), None, shared_y, False, gemm_ctas)
+                shared_y = _shared_down(shared[0], shared_fc2, gemm_ctas, shared_e4m3[0], shared_e4m3[2])
             ctx.shared_act, ctx.shared_h = shared
         else:
-            shared_y = torch.empty((T, H), dtype=torch.bfloat16, device=ws.device)
-            ops.grouped_gemm(ctx.shared_act, shared_fc2.contiguous(), None, shared_y, False, gemm_ctas)
+            shared_y = _shared_down(ctx.shared_act, shared_fc2, gemm_ctas, shared_e4m3[0], shared_e4m3[2])
     ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
     if side is not None:  # join; the side stream's tensors are used on this stream from here on
         main.wait_stream(side)
@@ -505,7 +594,8 @@ def recompute_forward_context(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedu
     reason = _unsupported_reason(ws, x, fc1, shared_fc1)
     if reason is not None:
         _fallback(reason)
-        return reference.recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1, cfg.precision)
+        return reference.recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1, cfg.precision,
+                                                   cfg.shared_precision)
     ctx = _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1, keep_gate_up=True, fp8_weights=fp8_weights)
     c = _comm(ws)
     # Peers may still read this rank's x buffer: no rank rewrites its buffer before all are done.
@@ -535,7 +625,8 @@ def _reference_backward(cfg, ws, sched, ctx, grad_out, x, probs, fc1, fc2, share
     from .functional import MoKGrads
 
     if not isinstance(ctx, reference.ReferenceContext):
-        ctx = reference.recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1, cfg.precision)
+        ctx = reference.recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1, cfg.precision,
+                                                   cfg.shared_precision)
     dx, dprobs, *wgrads = reference.backward(ws, sched, ctx, grad_out, x, probs, fc1, fc2, shared_fc1, shared_fc2,
                                              dgrad_precision=cfg.dgrad_precision)
     return MoKGrads(dx.to(x.dtype), dprobs, *_accumulate(wgrads, main_grads))
@@ -694,7 +785,8 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
 
     ``cfg.dgrad_precision == "fp8"``: step 4's two dgrads run on block-scaled e4m3 operands
     (``_routed_dgrads_fp8``; the weights' transposed copies from ``fp8_weights`` or quantized here)
-    on the staged launches, whatever ``MOK_BWD_KERNEL`` says; the weight gradients stay bf16.
+    on the staged launches, whatever ``MOK_BWD_KERNEL`` says; the weight gradients and the shared
+    expert's backward stay bf16.
 
     Weight gradients come back in bf16 (fp32 accumulation inside each GEMM, one rounding; autograd
     casts them to the weights' dtype anyway); with ``main_grads`` they are added into those fp32

@@ -90,13 +90,16 @@ def _bf16(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).to(t.dtype)
 
 
-def recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1=None, precision: str = "bf16") -> ReferenceContext:
+def recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1=None, precision: str = "bf16",
+                              shared_precision: str | None = None) -> ReferenceContext:
     """Dispatch, gate/up, SwiGLU and down projection of the routed rows (no combine).
 
     precision "fp8": the routed GEMMs' operands go through block-scaled e4m3 as the kernels
     quantize them (megatron_mok/fp8.py): dispatched rows, fc1, fc2 and the SwiGLU output (rounded
     to bf16 first, as the kernels hold it). The context keeps the dispatched rows as the kernels'
-    backward sees them: dequantized from e4m3 to bf16.
+    backward sees them: dequantized from e4m3 to bf16. shared_precision (default: precision) "fp8":
+    the shared expert's gate/up operands too (x and its fc1, when ``fp8.shared_in_e4m3``);
+    ``forward`` does its down projection.
     """
     cd = _compute_dtype(x)
     xc = x.to(cd)
@@ -120,20 +123,33 @@ def recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1=None, precision
             continue
         fc1_out[rows] = x_routed[rows] @ fc1[e].to(cd).t()
         y_routed[rows] = _swiglu(fc1_out[rows]) @ fc2[e].to(cd).t()
-    shared_fc1_out = xc @ shared_fc1.to(cd).t() if shared_fc1 is not None else None
+    shared_fc1_out = None
+    if _shared_e4m3(precision, shared_precision, shared_fc1):
+        shared_fc1_out = _qdq_rows(xc) @ fp8.quantize_weight(shared_fc1[None], swiglu=True).dequantize()[0].to(cd).t()
+    elif shared_fc1 is not None:
+        shared_fc1_out = xc @ shared_fc1.to(cd).t()
     return ReferenceContext(x_routed, fc1_out, y_routed, shared_fc1_out)
 
 
-def forward(ws, sched, x, probs, fc1, fc2, shared_fc1=None, shared_fc2=None, precision: str = "bf16"):
-    """Returns (out [T, H] in x.dtype, ReferenceContext)."""
-    ctx = recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1, precision)
+def _shared_e4m3(precision: str, shared_precision: str | None, shared_fc1) -> bool:
+    return (shared_precision or precision) == "fp8" and fp8.shared_in_e4m3(shared_fc1)
+
+
+def forward(ws, sched, x, probs, fc1, fc2, shared_fc1=None, shared_fc2=None, precision: str = "bf16",
+            shared_precision: str | None = None):
+    """Returns (out [T, H] in x.dtype, ReferenceContext); shared_precision: see
+    ``recompute_forward_context``."""
+    ctx = recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1, precision, shared_precision)
     slots = _push_rows(ws, sched, ctx.y_routed).view(ws.num_tokens, ws.topk, -1)
     cd = _compute_dtype(x)
     p = probs.to(cd)
     acc = torch.zeros((ws.num_tokens, ws.hidden), dtype=cd, device=x.device)
     for s in range(ws.topk):  # fixed slot order
         acc = acc + p[:, s : s + 1] * slots[:, s]
-    if shared_fc1 is not None:
+    if _shared_e4m3(precision, shared_precision, shared_fc1):  # e4m3 operands, as the kernels' shared expert
+        w2 = fp8.quantize_weight(shared_fc2[None], swiglu=False).dequantize()[0].to(cd)
+        acc = acc + _qdq_rows(_swiglu(ctx.shared_fc1_out)) @ w2.t()
+    elif shared_fc1 is not None:
         acc = acc + _swiglu(ctx.shared_fc1_out) @ shared_fc2.to(cd).t()
     return acc.to(x.dtype), ctx
 
@@ -145,7 +161,8 @@ def backward(ws, sched, ctx: ReferenceContext, grad_out, x, probs, fc1, fc2, sha
     dgrad_precision "fp8" (``MoKConfig.fp8_dgrad``): the routed dgrads' operands go through
     block-scaled e4m3 as the kernels quantize them: dy (rounded to bf16) along H against fc2, and
     dh along fc1's K in gate/up pair blocks against fc1, with da, h and dh rounded to bf16 where the
-    kernels hold them. The weight gradients keep the unquantized dy and the bf16 dh.
+    kernels hold them. The weight gradients keep the unquantized dy and the bf16 dh. The shared
+    expert's backward stays unquantized (its h comes from the context, e4m3 when its forward was).
     """
     cd = _compute_dtype(x)
     gc = grad_out.to(cd)

@@ -170,10 +170,16 @@ def backend_mok(c, dev, path=None, save_gate_up=True, name="mok", overrides=None
     if cfg.precision == "fp8":
         # quantized once per weight version, as a training step would (its time is logged apart)
         transposed = PASS == "bwd" and cfg.dgrad_precision == "fp8"  # the dgrads' copies too
-        fp8_weights = functional.quantize_expert_weights(c["fc1"], c["fc2"], transposed)
-        ms = time_iters(lambda: functional.quantize_expert_weights(c["fc1"], c["fc2"], transposed), 5, 1)
+        # the shared expert's weights too when its forward runs in e4m3 (fp8_shared)
+        shared = (c["sfc1"], c["sfc2"]) if cfg.shared_precision == "fp8" and c["sfc1"] is not None else (None, None)
+
+        def quantize():
+            return functional.quantize_expert_weights(c["fc1"], c["fc2"], transposed, *shared)
+
+        fp8_weights = quantize()
+        ms = time_iters(quantize, 5, 1)
         WEIGHT_QUANT_MS[name] = sorted(ms)[len(ms) // 2]
-        log(f"{name}: quantizing the routed weights to e4m3 takes {WEIGHT_QUANT_MS[name]:.3f} ms "
+        log(f"{name}: quantizing the weights to e4m3 takes {WEIGHT_QUANT_MS[name]:.3f} ms "
             f"(once per weight version, outside the timed step)")
 
     if PASS == "bwd":

@@ -86,8 +86,9 @@ def test_reference_fp8_forward_is_close_to_bf16_and_not_equal():
         direct, _ = reference.forward(ws, sched, x, probs, fc1, fc2, sfc1, sfc2, precision)
         assert torch.equal(out[precision], direct)
     rel = _rel(out["fp8"], out["bf16"])
-    # e4m3 carries 3 mantissa bits: a few percent against bf16, well above bf16's own rounding
-    assert 5e-3 < rel < 6e-2, rel
+    # e4m3 carries 3 mantissa bits: a few percent against bf16, well above bf16's own rounding (6.5%
+    # here with the routed and the shared expert's GEMMs in e4m3; 5.x% with the routed ones alone)
+    assert 5e-3 < rel < 8e-2, rel
 
 
 def test_fp8_input_errors():
@@ -149,6 +150,58 @@ def test_weight_cache_follows_versions_and_optimizer_steps():
     assert cache.get(fc1, fc2, quantize, transposed=True) is wt
 
 
+def test_weight_cache_and_quantized_weights_hold_the_shared_expert():
+    """With the shared expert's weights, fp8.WeightCache keys on all four tensors and their
+    versions; the entry carries the shared expert's e4m3 stacks ([1, 2 Is, H], [1, H, Is]), which
+    FP8ExpertWeights.shared_for hands out for weights of those shapes only; a shared expert whose
+    size is not a multiple of 128 is not quantized."""
+    cache = fp8.WeightCache()
+    calls = []
+
+    def quantize(*args):
+        calls.append(len(args))
+        return fp8.quantize_expert_weights(*args)
+
+    _, _, _, fc1, fc2, sfc1, sfc2 = _layer_problem()
+    sfc1, sfc2 = torch.nn.Parameter(sfc1), torch.nn.Parameter(sfc2)
+    w = cache.get(fc1, fc2, quantize, shared_fc1=sfc1, shared_fc2=sfc2)
+    assert calls == [5] and cache.get(fc1, fc2, quantize, shared_fc1=sfc1, shared_fc2=sfc2) is w
+    assert tuple(w.shared.fc1.q.shape) == (1, *sfc1.shape) and tuple(w.shared.fc2.q.shape) == (1, *sfc2.shape)
+    ref1 = fp8.quantize_weight(sfc1.detach()[None], swiglu=True)
+    assert torch.equal(w.shared.fc1.q.view(torch.uint8), ref1.q.view(torch.uint8))
+    assert w.shared_for(sfc1, sfc2) is w.shared and not w.shared.has_transposed
+    assert w.shared_for(sfc1) is not None and w.shared_for(sfc1[:128], sfc2) is None
+    wt = cache.get(fc1, fc2, quantize, transposed=True, shared_fc1=sfc1, shared_fc2=sfc2)
+    assert wt.has_transposed and not wt.shared.has_transposed  # the shared expert's backward is bf16
+    assert cache.get(fc1, fc2, quantize) is not w and calls == [5, 5, 3]  # without them: another entry
+    with torch.no_grad():
+        sfc2.mul_(2.0)  # the shared expert's version moves: a new quantization
+    w2 = cache.get(fc1, fc2, quantize, shared_fc1=sfc1, shared_fc2=sfc2)
+    assert w2 is not w and torch.equal(w2.shared.fc2.scale, 2 * w.shared.fc2.scale)
+    odd1, odd2 = torch.randn(2 * 64, 256).bfloat16(), torch.randn(256, 64).bfloat16()  # Is = 64
+    assert not fp8.shared_in_e4m3(odd1) and fp8.shared_in_e4m3(sfc1) and not fp8.shared_in_e4m3(None)
+    assert fp8.quantize_expert_weights(fc1, fc2, False, odd1, odd2).shared is None
+
+
+def test_fp8_shared_false_keeps_the_shared_expert_bf16():
+    """MoKConfig(precision="fp8", fp8_shared=False): the reference layer with the shared expert on
+    unquantized operands; the default quantizes it (a different result); with bf16 precision the
+    field changes nothing."""
+    x, top, probs, fc1, fc2, sfc1, sfc2 = _layer_problem()
+    outs = {}
+    for name, cfg in (("fp8", MoKConfig(precision="fp8")), ("fp8_bf16_shared", MoKConfig(precision="fp8", fp8_shared=False)),
+                      ("bf16", MoKConfig()), ("bf16_flag", MoKConfig(fp8_shared=False))):
+        ws = get_workspace(None, "cpu", x.shape[0], x.shape[1], top.shape[1], fc1.shape[0], cfg)
+        sched = functional.build_schedule(cfg, ws, top)
+        outs[name], _ = functional.forward(cfg, ws, sched, x, probs, fc1, fc2, sfc1, sfc2)
+    assert torch.equal(outs["bf16"], outs["bf16_flag"])
+    assert not torch.equal(outs["fp8"], outs["fp8_bf16_shared"])
+    # the routed experts alone in e4m3 deviate less from bf16 than routed + shared
+    assert _rel(outs["fp8_bf16_shared"], outs["bf16"]) < _rel(outs["fp8"], outs["bf16"])
+    with pytest.raises(Exception, match="fp8_shared must be a bool"):
+        MoKConfig(fp8_shared=1)
+
+
 def test_pair_columns_and_paired_row_blocks():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3, 2 * 192, generator=g).to(torch.bfloat16)  # [gate | up], 192 columns each
@@ -180,22 +233,23 @@ def test_transposed_weight_copy_is_the_same_tiles(swiglu):
 
 
 def test_reference_fp8_dgrads():
-    """dgrad_precision fp8 moves dx by a few percent (e4m3 operands), leaves dprobs and the fc2
-    gradient (unquantized dy) exactly, and the CPU path follows MoKConfig.fp8_dgrad."""
+    """dgrad_precision fp8 moves dx by a few percent (e4m3 operands), leaves dprobs, the fc2
+    gradient (unquantized dy) and the shared expert's gradients (its backward stays bf16) exactly,
+    and the CPU path follows MoKConfig.fp8_dgrad, with the shared expert's forward in e4m3 or not."""
     x, top, probs, fc1, fc2, sfc1, sfc2 = _layer_problem(I=256)
     g = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     grads = {}
-    for fp8_dgrad in (True, False):
-        cfg = MoKConfig(precision="fp8", fp8_dgrad=fp8_dgrad)
+    for fp8_dgrad, fp8_shared in ((True, True), (False, True), (True, False)):
+        cfg = MoKConfig(precision="fp8", fp8_dgrad=fp8_dgrad, fp8_shared=fp8_shared)
         ws = get_workspace(None, "cpu", x.shape[0], x.shape[1], top.shape[1], fc1.shape[0], cfg)
         sched = functional.build_schedule(cfg, ws, top)
         _, ctx = functional.forward(cfg, ws, sched, x, probs, fc1, fc2, sfc1, sfc2)
-        grads[fp8_dgrad] = functional.backward(cfg, ws, sched, ctx, g, x, probs, fc1, fc2, sfc1, sfc2)
+        grads[fp8_dgrad, fp8_shared] = functional.backward(cfg, ws, sched, ctx, g, x, probs, fc1, fc2, sfc1, sfc2)
         direct = reference.backward(ws, sched, ctx, g, x, probs, fc1, fc2, sfc1, sfc2,
                                     dgrad_precision=cfg.dgrad_precision)
-        assert torch.equal(grads[fp8_dgrad].dx, direct[0].to(x.dtype))
-    q, b = grads[True], grads[False]
+        assert torch.equal(grads[fp8_dgrad, fp8_shared].dx, direct[0].to(x.dtype))
+    q, b = grads[True, True], grads[False, True]
     assert torch.equal(q.dprobs, b.dprobs) and torch.equal(q.dfc2, b.dfc2)
-    assert torch.equal(q.dshared_fc1, b.dshared_fc1)
+    assert torch.equal(q.dshared_fc1, b.dshared_fc1) and torch.equal(q.dshared_fc2, b.dshared_fc2)
     assert 2e-3 < _rel(q.dx, b.dx) < 6e-2
     assert 2e-3 < _rel(q.dfc1, b.dfc1) < 6e-2  # dh comes from the e4m3 dgrad of dy

@@ -319,6 +319,8 @@ def test_fp8_forward_matches_fp8_reference(kind, shape, monkeypatch):
             # the stages first: the routed rows' pre-activations, SwiGLU output, expert outputs
             stages = dict(h=rel_err(ctx.h[real], rctx.fc1_out[real]), act=rel_err(ctx.act[real], ref_act),
                           y=rel_err(ctx.y_routed[real], rctx.y_routed[real]), out=rel_err(out, ref))
+            if sfc1 is not None:  # the shared expert's e4m3 gate/up (fp8_shared, the default)
+                stages["shared_h"] = rel_err(ctx.shared_h, rctx.shared_fc1_out)
             assert max(stages.values()) <= 1e-2, stages
             # e4m3's 3 mantissa bits, through two quantized GEMMs (no shared expert: nothing dilutes it)
             assert rel_err(out, ref_bf16) < 8e-2, rel_err(out, ref_bf16)
@@ -331,6 +333,21 @@ def test_fp8_forward_matches_fp8_reference(kind, shape, monkeypatch):
             assert torch.equal(bits(_kp().routed_rows(ctx, sched)[real]), bits(base_rows)), \
                 f"the dispatched e4m3 rows differ at rep {rep} ({path})"
         poison_internal(ws)
+    if sfc1 is not None:
+        # fp8_shared=False: the shared expert in bf16 (inside the megakernel, on the staged launches'
+        # side stream), against the reference with a bf16 shared expert; both paths the same bits
+        bf_shared = dataclasses.replace(cfg, fp8_shared=False)
+        ref_bs, _ = reference.forward(ws, ref_sched, f(x), probs, f(fc1), f(fc2), f(sfc1), f(sfc2), "fp8", "bf16")
+        outs = []
+        for path in ("staged", "mega"):
+            out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=DEV)
+            outs.append(_kp().forward(bf_shared, ws, sched, x, probs, fc1, fc2, sfc1, sfc2, out=out, fp8_weights=w8,
+                                      path=path)[0])
+            torch.cuda.synchronize()
+            poison_internal(ws)
+        assert rel_err(outs[0], ref_bs) <= 1e-2, rel_err(outs[0], ref_bs)
+        assert torch.equal(bits(outs[0]), bits(outs[1])), "fp8_shared=False: mega and staged bits differ"
+        assert not torch.equal(bits(outs[0]), bits(base)), "fp8_shared=False gave the e4m3 shared expert's bits"
     ws.check_errors(blocking=True)
 
 
