@@ -113,12 +113,12 @@ def _suite(rank: int, world: int) -> list[str]:
     def fp8_backward(kind, shape):
         """The fp8 backward at EP=2 (e4m3 dgrads, the fc1 dgrad pushing the dx rows into the peer's
         slots) against the reference on the reference fp8 context; the same bits with the pushes in
-        bwd_push, the side stream waiting for the pull or off, and unpaired wgrad tasks."""
+        bwd_push and with the side stream waiting for the pull, or off."""
         import os
 
-        from megatron_mok import MoKConfig, reference
+        from megatron_mok import MoKConfig
 
-        from ._bwd import check_close, clone_all
+        from ._bwd import check_close, clone_all, fp8_reference_grads
         from ._util import make_case
 
         cfg, ws, top, w, gen = make_case(shape, kind, 1000 * rank + 31 + len(kind), dev, MoKConfig(precision="fp8"),
@@ -128,13 +128,7 @@ def _suite(rank: int, world: int) -> list[str]:
         _, ctx = kp.forward(cfg, ws, sched, *w)
         base = clone_all(grads_list(kp.backward(cfg, ws, sched, ctx, g, *w)))
         sync_poison(ws)
-        f = lambda t: None if t is None else t.float()  # noqa: E731
-        x, probs, fc1, fc2, sfc1, sfc2 = w
-        rs = build_schedule_reference(ws, top)
-        rctx = reference.recompute_forward_context(ws, rs, f(x), f(fc1), f(fc2), f(sfc1), "fp8")
-        ref = list(reference.backward(ws, rs, rctx, f(g), f(x), probs, f(fc1), f(fc2), f(sfc1), f(sfc2),
-                                      dgrad_precision=cfg.dgrad_precision))
-        errs = check_close(base, ref)
+        errs = check_close(base, fp8_reference_grads(ws, top, w, g, cfg.dgrad_precision))
         for knob, value in (("MOK_FP8_PUSH", "0"), ("MOK_BWD_SIDE_EARLY", "0"), ("MOK_BWD_OVERLAP", "0")):
             os.environ[knob] = value
             try:

@@ -13,7 +13,7 @@ import torch
 from megatron_mok import MoKConfig, fp8, functional
 from megatron_mok.schedule import build_schedule_reference
 
-from ._bwd import assert_bitwise, check_close, grads_list
+from ._bwd import assert_bitwise, check_close, fp8_reference_grads, grads_list
 from ._util import (bits, eager_before_capture, gemm_bits_over_cta_counts, gpu_marks, make_case, poison_internal,
                     rel_err)
 from ._util import kernel_path_module as _kp
@@ -399,15 +399,7 @@ def test_fp8_forward_cuda_graph_and_backward(path, fp8_dgrad):
     torch.cuda.synchronize()
     assert_bitwise(captured, got, "graph replay")
     # the reference backward on the reference fp8 forward's context (dequantized rows, e4m3 GEMMs' h)
-    from megatron_mok import reference
-
-    f = lambda t: None if t is None else t.float()  # noqa: E731
-    x, probs, fc1, fc2, sfc1, sfc2 = inputs
-    rs = build_schedule_reference(ws, top)
-    rctx = reference.recompute_forward_context(ws, rs, f(x), f(fc1), f(fc2), f(sfc1), "fp8")
-    ref = list(reference.backward(ws, rs, rctx, f(grad), f(x), probs, f(fc1), f(fc2), f(sfc1), f(sfc2),
-                                  dgrad_precision=cfg.dgrad_precision))
-    check_close(got, ref)
+    check_close(got, fp8_reference_grads(ws, top, inputs, grad, cfg.dgrad_precision))
     ws.check_errors(blocking=True)
 
 
