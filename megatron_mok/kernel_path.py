@@ -218,14 +218,20 @@ def _x_e4m3_buffers(ws):
     return c.buffer("x_e4m3", (T, H // 2), torch.bfloat16), c.buffer("x_scale", (T, 2 * pitch), torch.bfloat16), pitch
 
 
+def _scales_by_block(scale_rows: torch.Tensor, nkb: int) -> torch.Tensor:
+    """Row scales [rows, >= nkb] (one row per token, as the dispatch moves them) -> [nkb, ld] (ld =
+    rows rounded up to 4), the layout ``expert_gemm_fp8`` reads (a stage's row scales as one box)."""
+    rows = scale_rows.shape[0]
+    out = torch.empty((nkb, -(-rows // 4) * 4), dtype=torch.float32, device=scale_rows.device)
+    out[:, :rows].copy_(scale_rows[:, :nkb].t())
+    return out
+
+
 def _published_x_e4m3(ws):
     """(x e4m3 [T, H], scales [H / 128, ld]) for ``expert_gemm_fp8`` from ``_publish_fp8``'s buffers
     (the bits of ``quantize_rows_e4m3(x)``; valid until the forward's closing barrier)."""
     (q_sym, _), (s_sym, _), _ = _x_e4m3_buffers(ws)
-    T, nkb = ws.num_tokens, ws.hidden // fp8.BLOCK
-    xs = torch.empty((nkb, -(-T // 4) * 4), dtype=torch.float32, device=ws.device)
-    xs[:, :T].copy_(s_sym.view(torch.float32)[:, :nkb].t())
-    return q_sym.view(torch.float8_e4m3fn), xs
+    return q_sym.view(torch.float8_e4m3fn), _scales_by_block(s_sym.view(torch.float32), ws.hidden // fp8.BLOCK)
 
 
 def _publish_fp8(cfg, ws, x):
@@ -269,7 +275,7 @@ def quantize_expert_weights(fc1, fc2, transposed: bool = False, shared_fc1=None,
         out = fp8.FP8ExpertWeights(fp8.E4M3Weight(*w1[:2], swiglu=True), fp8.E4M3Weight(*w2[:2], swiglu=False),
                                    fp8.E4M3Weight(*w1[2:], swiglu=False), fp8.E4M3Weight(*w2[2:], swiglu=False))
     if fp8.shared_in_e4m3(shared_fc1) and shared_fc2 is not None:
-        out.shared = quantize_expert_weights(shared_fc1.unsqueeze(0), shared_fc2.unsqueeze(0))
+        out.shared = fp8.FP8ExpertWeights(*_shared_weights_e4m3(shared_fc1, shared_fc2))
     return out
 
 
@@ -307,8 +313,7 @@ def _routed_experts_fp8(sched, x_e4m3, x_scale, w8, act, h, y_routed, gemm_ctas,
     """The routed gate/up and down GEMMs on block-scaled e4m3 operands (the dispatched e4m3 rows;
     the SwiGLU output quantized up to the last segment's end); outputs bf16. push (the peers'
     combine buffers): the down GEMM's epilogue also does the combine's stores."""
-    nkb = x_e4m3.shape[1] // fp8.BLOCK
-    xs = x_scale[:, :nkb].t().contiguous()  # the GEMM reads a stage's 128 row scales as one box
+    xs = _scales_by_block(x_scale, x_e4m3.shape[1] // fp8.BLOCK)
     ops.expert_gemm_fp8(x_e4m3, xs, w8.fc1.q, w8.fc1.scale, sched.expert_offsets, sched.expert_counts, act, True,
                         pre_out=h, num_ctas=gemm_ctas)
     aq, as_ = ops.quantize_rows_e4m3(act, sched.expert_offsets[-1:])

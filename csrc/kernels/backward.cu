@@ -180,12 +180,7 @@ __global__ void bwd_push_kernel(const __nv_bfloat16* __restrict__ rows_in, const
   push_rows_to_source_slots(rows_in, row_src_rank, row_src_slot, expert_offsets, nle, capacity, slot_bufs, H, trow);
   // every block fenced its pushes (system scope) in last_block_arrive; the last one arrives for the
   // rank: the epilogue (bwd_epilogue with wait_flags) closes the barrier
-  if (last_block_arrive(state + kStateArrive)) {
-    __shared__ int s_epoch;
-    if (threadIdx.x == 0) s_epoch = barrier_next_epoch(state, 0);
-    __syncthreads();
-    barrier_arrive(flags, rank, ep, s_epoch, threadIdx.x, blockDim.x);
-  }
+  if (last_block_arrive(state + kStateArrive)) barrier_open_block(flags, state, rank, ep, 0);
 }
 
 // ---- epilogue ---------------------------------------------------------------------------------

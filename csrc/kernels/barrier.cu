@@ -19,10 +19,7 @@ __global__ void barrier_kernel(PeerPtrs flags, int* state, int* errors, int rank
 // The opening half only: this rank's next epoch into every peer's buffer (after the stream's earlier
 // kernels, e.g. a GEMM that pushed rows into the peers); a later wait closes it.
 __global__ void barrier_open_kernel(PeerPtrs flags, int* state, int rank, int ep) {
-  __shared__ int s_epoch;
-  if (threadIdx.x == 0) s_epoch = barrier_next_epoch(state, 0);
-  __syncthreads();
-  barrier_arrive(flags, rank, ep, s_epoch, threadIdx.x, blockDim.x);
+  barrier_open_block(flags, state, rank, ep, 0);
 }
 
 // errors[kErrNonfiniteProbs] = max(it, 1 + last token with a NaN/inf weight) over probs [n / k, k],

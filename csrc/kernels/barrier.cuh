@@ -50,14 +50,22 @@ __device__ __forceinline__ void barrier_wait(const int* mine, int ep, int epoch,
   }
 }
 
-// Whole-block barrier (all threads of one CTA call it).
-__device__ __forceinline__ void barrier_block(const PeerPtrs& flags, int* state, int* errors, int rank, int ep,
-                                              uint64_t timeout_ns, int bump_gather) {
+// The opening half of a whole-block barrier (all threads of one CTA call it): the block's new epoch
+// into every peer's buffer. Returns the epoch (a later barrier_wait on it closes the barrier).
+__device__ __forceinline__ int barrier_open_block(const PeerPtrs& flags, int* state, int rank, int ep,
+                                                  int bump_gather) {
   __shared__ int s_epoch;
   if (threadIdx.x == 0) s_epoch = barrier_next_epoch(state, bump_gather);
   __syncthreads();
   const int epoch = s_epoch;
   barrier_arrive(flags, rank, ep, epoch, threadIdx.x, blockDim.x);
+  return epoch;
+}
+
+// Whole-block barrier (all threads of one CTA call it).
+__device__ __forceinline__ void barrier_block(const PeerPtrs& flags, int* state, int* errors, int rank, int ep,
+                                              uint64_t timeout_ns, int bump_gather) {
+  const int epoch = barrier_open_block(flags, state, rank, ep, bump_gather);
   barrier_wait(static_cast<const int*>(flags.p[rank]), ep, epoch, errors, timeout_ns, threadIdx.x, blockDim.x);
   __syncthreads();
 }
