@@ -717,6 +717,66 @@ void expert_wgrad(const Tensor& a, const Tensor& a_offsets, const Tensor& b, con
                                  static_cast<int>(nseg), out.data_ptr(), static_cast<int>(num_ctas), current_stream()));
 }
 
+// x [rows, C] bf16, or e4m3 with its 128-column scales (x_scale, laid out as scale_rows says) ->
+// q_t [C, ld >= rows] e4m3 and scale [nseg, C] fp32: each expert's columns of the transpose.
+void quantize_columns_e4m3(const Tensor& x, const std::optional<Tensor>& x_scale, bool scale_rows,
+                           const Tensor& offsets, const Tensor& counts, Tensor& q_t, Tensor& scale) {
+  TORCH_CHECK(x.is_cuda() && x.is_contiguous() && x.dim() == 2, "megatron_mok: quantize_columns_e4m3 x must be a contiguous CUDA [rows, C]");
+  const bool e4m3_in = x.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(e4m3_in || x.scalar_type() == at::kBFloat16, "megatron_mok: quantize_columns_e4m3 x must be bf16 or e4m3");
+  TORCH_CHECK(e4m3_in == x_scale.has_value(), "megatron_mok: quantize_columns_e4m3 takes x_scale exactly when x is e4m3");
+  check_cuda(q_t, "q_t", at::kFloat8_e4m3fn);
+  check_cuda(scale, "scale", at::kFloat);
+  for (auto* t : {&offsets, &counts}) check_cuda(*t, "offsets / counts", at::kInt);
+  const int64_t rows = x.size(0), C = x.size(1), nseg = counts.numel();
+  using ll = long long;
+  MOK_CHECK(offsets.numel() == nseg + 1, "megatron_mok: quantize_columns_e4m3 needs nseg + 1 offsets (nseg = %lld)", ll(nseg));
+  MOK_CHECK(q_t.dim() == 2 && q_t.size(0) == C && q_t.size(1) >= rows,
+            "megatron_mok: quantize_columns_e4m3 q_t must be [%lld, >= %lld]", ll(C), ll(rows));
+  MOK_CHECK(scale.dim() == 2 && scale.size(0) == nseg && scale.size(1) == C,
+            "megatron_mok: quantize_columns_e4m3 scale must be [%lld, %lld]", ll(nseg), ll(C));
+  std::pair<int64_t, int64_t> sl{0, 0};
+  if (e4m3_in) {
+    MOK_CHECK(C % 128 == 0, "megatron_mok: quantize_columns_e4m3 e4m3 rows need C a multiple of 128, got %lld", ll(C));
+    sl = scale_strides(*x_scale, rows, C / 128, scale_rows, "quantize_columns_e4m3");
+  }
+  c10::cuda::CUDAGuard guard(x.device());
+  check(mok::launch_quantize_columns_e4m3(x.data_ptr(), e4m3_in, e4m3_in ? x_scale->data_ptr<float>() : nullptr,
+                                          sl.first, sl.second, rows, static_cast<int>(C), offsets.data_ptr<int>(),
+                                          counts.data_ptr<int>(), static_cast<int>(nseg), q_t.data_ptr(),
+                                          q_t.stride(0), scale.data_ptr<float>(), current_stream()));
+}
+
+// out[e] = (a_t[:, rows of e] @ b_t[:, rows of e]^T) * a_scale[e][:, None] * b_scale[e][None, :]
+void expert_wgrad_fp8(const Tensor& a_t, const Tensor& a_scale, const Tensor& b_t, const Tensor& b_scale,
+                      const Tensor& offsets, const Tensor& counts, Tensor& out, int64_t num_ctas) {
+  for (auto* t : {&a_t, &b_t}) TORCH_CHECK(t->dim() == 2 && t->stride(1) == 1, "megatron_mok: expert_wgrad_fp8 operands must be [rows, ld] with unit column stride");
+  TORCH_CHECK(a_t.is_cuda() && a_t.scalar_type() == at::kFloat8_e4m3fn && b_t.is_cuda() &&
+                  b_t.scalar_type() == at::kFloat8_e4m3fn,
+              "megatron_mok: expert_wgrad_fp8 a_t and b_t must be e4m3 CUDA tensors (quantize_columns_e4m3)");
+  check_cuda(a_scale, "a_scale", at::kFloat);
+  check_cuda(b_scale, "b_scale", at::kFloat);
+  check_cuda(out, "out", at::kBFloat16);
+  for (auto* t : {&offsets, &counts}) check_cuda(*t, "offsets / counts", at::kInt);
+  const int64_t nseg = out.size(0), M = a_t.size(0), N = b_t.size(0);
+  using ll = long long;
+  MOK_CHECK(out.dim() == 3 && out.size(1) == M && out.size(2) == N,
+            "megatron_mok: expert_wgrad_fp8 out must be [nseg, %lld, %lld]", ll(M), ll(N));
+  MOK_CHECK(a_t.stride(0) == b_t.stride(0) && a_t.size(1) == b_t.size(1),
+            "megatron_mok: expert_wgrad_fp8 a_t and b_t must share one token layout (got pitches %lld and %lld)",
+            ll(a_t.stride(0)), ll(b_t.stride(0)));
+  MOK_CHECK(a_scale.dim() == 2 && a_scale.size(0) == nseg && a_scale.size(1) == M && b_scale.dim() == 2 &&
+                b_scale.size(0) == nseg && b_scale.size(1) == N,
+            "megatron_mok: expert_wgrad_fp8 scales must be [nseg, M] and [nseg, N] (nseg = %lld)", ll(nseg));
+  MOK_CHECK(offsets.numel() == nseg + 1 && counts.numel() == nseg,
+            "megatron_mok: expert_wgrad_fp8 needs nseg + 1 offsets and nseg counts (nseg = %lld)", ll(nseg));
+  c10::cuda::CUDAGuard guard(a_t.device());
+  check(mok::launch_expert_wgrad_fp8(a_t.data_ptr(), static_cast<int>(M), a_scale.data_ptr<float>(), b_t.data_ptr(),
+                                     static_cast<int>(N), b_scale.data_ptr<float>(), a_t.stride(0),
+                                     offsets.data_ptr<int>(), counts.data_ptr<int>(), static_cast<int>(nseg),
+                                     out.data_ptr(), static_cast<int>(num_ctas), current_stream()));
+}
+
 void zero_empty_segments(Tensor& t, const Tensor& seg_counts) {
   TORCH_CHECK(t.is_cuda() && t.is_contiguous() && t.dim() >= 1, "megatron_mok: zero_empty_segments needs a contiguous CUDA tensor");
   check_cuda(seg_counts, "seg_counts", at::kInt);
@@ -941,6 +1001,12 @@ TORCH_LIBRARY(megatron_mok, m) {
   m.def(
       "expert_wgrad(Tensor a, Tensor a_offsets, Tensor b, Tensor b_offsets, Tensor counts, Tensor(a!) out, "
       "int num_ctas=0) -> ()");
+  m.def(
+      "quantize_columns_e4m3(Tensor x, Tensor? x_scale, bool scale_rows, Tensor offsets, Tensor counts, "
+      "Tensor(a!) q_t, Tensor(b!) scale) -> ()");
+  m.def(
+      "expert_wgrad_fp8(Tensor a_t, Tensor a_scale, Tensor b_t, Tensor b_scale, Tensor offsets, Tensor counts, "
+      "Tensor(a!) out, int num_ctas=0) -> ()");
   m.def("zero_empty_segments(Tensor(a!) t, Tensor seg_counts) -> ()");
   m.def(
       "bwd_push(Tensor rows, Tensor row_src_rank, Tensor row_src_slot, Tensor expert_offsets, Tensor(a!) state, "
@@ -969,6 +1035,8 @@ TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("quantize_rows_e4m3", &quantize_rows_e4m3);
   m.impl("dequantize_rows_e4m3", &dequantize_rows_e4m3);
   m.impl("quantize_weight_e4m3", &quantize_weight_e4m3);
+  m.impl("quantize_columns_e4m3", &quantize_columns_e4m3);
+  m.impl("expert_wgrad_fp8", &expert_wgrad_fp8);
   m.impl("combine", &combine);
   m.impl("moe_epilogue", &moe_epilogue);
   m.impl("moe_epilogue_wait", &moe_epilogue_wait);

@@ -1,6 +1,6 @@
 """Tuning knobs of the mok MoE layer.
 
-Every knob except ``precision``, ``fp8_dgrad`` and ``fp8_shared`` changes only *how* the layer is computed (SM
+Every knob except ``precision``, ``fp8_dgrad``, ``fp8_wgrad`` and ``fp8_shared`` changes only *how* the layer is computed (SM
 split, pipelining granularity, buffer sizes), never a result bit. Invalid values raise
 ``MoKConfigError`` naming the field.
 """
@@ -40,6 +40,10 @@ class MoKConfig:
     fp8_dgrad: with precision "fp8", also the backward's routed dgrads (dy against fc2, dh against
         fc1) on e4m3 operands (the staged backward launches); False: they stay bf16. Changes
         results like precision does.
+    fp8_wgrad: with precision "fp8", also the routed experts' weight gradients on e4m3 operands
+        (dy, act, dh and the dispatched rows quantized per expert and column: one scale per column
+        over the expert's rows, as DeepSeek-V3 quantizes the token axis; the staged backward
+        launches); False: they stay bf16. Changes results like precision does.
     fp8_shared: with precision "fp8", also the shared expert's forward GEMMs on e4m3 operands (when
         its intermediate size is a multiple of 128; its backward stays bf16: e4m3 dgrads measured
         slower, docs/KERNELS.md); False: they stay bf16. Changes results like precision does.
@@ -56,6 +60,7 @@ class MoKConfig:
     capacity_factor: float = 1.0
     precision: str = "bf16"
     fp8_dgrad: bool = True
+    fp8_wgrad: bool = True
     fp8_shared: bool = True
     peer_timeout_s: float = 30.0
     save_gate_up: bool = True
@@ -83,7 +88,7 @@ class MoKConfig:
             raise MoKConfigError(
                 f"MoKConfig.precision must be one of {PRECISIONS}, got {self.precision!r}"
             )
-        for name in ("save_gate_up", "fp8_dgrad", "fp8_shared"):
+        for name in ("save_gate_up", "fp8_dgrad", "fp8_wgrad", "fp8_shared"):
             if not isinstance(getattr(self, name), bool):
                 raise MoKConfigError(f"MoKConfig.{name} must be a bool, got {getattr(self, name)!r}")
         t = self.peer_timeout_s
@@ -97,6 +102,11 @@ class MoKConfig:
     def dgrad_precision(self) -> str:
         """The precision of the backward's routed dgrads."""
         return "fp8" if self.precision == "fp8" and self.fp8_dgrad else "bf16"
+
+    @property
+    def wgrad_precision(self) -> str:
+        """The precision of the backward's routed weight gradients."""
+        return "fp8" if self.precision == "fp8" and self.fp8_wgrad else "bf16"
 
     @property
     def shared_precision(self) -> str:

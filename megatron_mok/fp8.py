@@ -6,6 +6,9 @@ The recipe (DeepSeek-V3's fine-grained scaling):
   ``q = e4m3(x * (448 / max(amax, 1e-4)))`` (one multiply an element; round to nearest even,
   saturating at 448); the CUDA quantizer (``ops.quantize_rows_e4m3``) gives the same bits as
   ``quantize_rows`` here;
+* the weight gradients' token operands (``MoKConfig.fp8_wgrad``): one fp32 scale per (expert,
+  column) over the expert's rows (``quantize_columns``), the operands transposed (e4m3 wgmma reads
+  K-major operands only, and K is the token axis here);
 * weights: one fp32 scale per (expert, 128-row tile, 128 columns), where the tiles are the rows
   one GEMM task loads: rows ``128 b .. 128 b + 127`` of fc2, and gate rows ``64 b .. 64 b + 63``
   together with the same up rows of fc1 (``[gate; up]`` layout).
@@ -97,6 +100,20 @@ def quantize_rows(x: torch.Tensor, gate_up_pairs: bool = False) -> tuple[torch.T
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     rows, k = q.shape
     return (q.float().view(rows, k // BLOCK, BLOCK) * scale.unsqueeze(-1)).view(rows, k)
+
+
+def quantize_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert's rows x [rows, C] -> (q [rows, C] e4m3, scale [C] fp32): one scale per column over
+    all rows (the weight gradients' operands; ``ops.quantize_columns_e4m3`` gives the same bits,
+    transposed)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=0) if xf.shape[0] else xf.new_zeros(xf.shape[1])
+    scale, inverse = _scale_and_inverse(amax)
+    return _to_e4m3(xf, inverse), scale
+
+
+def dequantize_columns(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale
 
 
 @dataclasses.dataclass

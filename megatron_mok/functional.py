@@ -187,7 +187,8 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     if not isinstance(ctx, reference.ReferenceContext):
         ctx = reference.recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1, cfg.precision)
     dx, dprobs, *wgrads = reference.backward(ws, sched, ctx, grad_out, x, probs, fc1, fc2, shared_fc1, shared_fc2,
-                                             dgrad_precision=cfg.dgrad_precision)
+                                             dgrad_precision=cfg.dgrad_precision,
+                                             wgrad_precision=cfg.wgrad_precision)
     if main_grads is not None:
         for i, main in enumerate(main_grads):
             if main is not None and wgrads[i] is not None:

@@ -289,13 +289,16 @@ def _shared_weights_e4m3(shared_fc1, shared_fc2=None) -> tuple[fp8.E4M3Weight, f
     return w1, fp8.E4M3Weight(*w2, swiglu=False)
 
 
-def _routed_dgrads_fp8(w8, dyq, dys, h, offsets, counts, dh, dx_rows, push=None) -> None:
+def _routed_dgrads_fp8(w8, dyq, dys, h, offsets, counts, dh, dx_rows, push=None, dh_done=None) -> None:
     """The routed dgrads on block-scaled e4m3 operands: dh = swiglu_backward(h, dy @ fc2[e]) from dy
     in e4m3 along H (dyq, dys: quantized by the pull) against fc2's transposed copy, then
     dx_rows = dh @ fc1[e] from dh quantized in gate/up pair blocks against fc1's transposed copy
     (rows up to the last segment's end). push = (row_src_rank, row_src_slot, peer slot buffers): the
-    second GEMM's epilogue also stores the dx rows into their source slots (``bwd_push``'s stores)."""
+    second GEMM's epilogue also stores the dx rows into their source slots (``bwd_push``'s stores).
+    dh_done: called once dh is written (before the second GEMM's launch)."""
     ops.expert_gemm_fp8(dyq, dys, w8.fc2_t.q, w8.fc2_t.scale, offsets, counts, dh, False, h=h)
+    if dh_done is not None:
+        dh_done()
     dhq, dhs = ops.quantize_rows_e4m3(dh, offsets[-1:], gate_up_pairs=True)
     ops.expert_gemm_fp8(dhq, dhs, w8.fc1_t.q, w8.fc1_t.scale, offsets, counts, dx_rows, False, push=push)
 
@@ -328,10 +331,30 @@ def routed_rows(ctx: KernelContext, sched: MoKSchedule) -> torch.Tensor:
     if ctx.x_routed is not None:
         return ctx.x_routed
     x = torch.empty(ctx.x_e4m3.shape, dtype=torch.bfloat16, device=ctx.x_e4m3.device)
-    by_rows = ctx.x_scale.stride(1) == 1  # the staged dispatch's scale rows, or the megakernel's columns
-    ops.dequantize_rows_e4m3(ctx.x_e4m3, ctx.x_scale if by_rows else ctx.x_scale.t(), x,
-                             sched.expert_offsets[-1:], scale_rows=by_rows)
+    scale, by_rows = _routed_scales(ctx)
+    ops.dequantize_rows_e4m3(ctx.x_e4m3, scale, x, sched.expert_offsets[-1:], scale_rows=by_rows)
     return x
+
+
+def _routed_scales(ctx: KernelContext) -> tuple[torch.Tensor, bool]:
+    """The dispatched e4m3 rows' scales as the row quantizers take them: (scale, scale_rows) for the
+    staged dispatch's scale rows, or the megakernel's columns."""
+    by_rows = ctx.x_scale.stride(1) == 1
+    return (ctx.x_scale if by_rows else ctx.x_scale.t()), by_rows
+
+
+def _early_wgrad_operands_e4m3(ctx: KernelContext, sched: MoKSchedule) -> tuple:
+    """The fp8 weight gradients' operands that the forward left: act and the dispatched rows (from
+    their e4m3 copy when the context keeps no bf16 rows), transposed into e4m3 with one scale per
+    (expert, column): (act_t, act_scale, x_t, x_scale)."""
+    offsets, counts = sched.expert_offsets, sched.expert_counts
+    act_t, act_s = ops.quantize_columns_e4m3(ctx.act, offsets, counts)
+    if ctx.x_routed is not None:
+        x_t, x_s = ops.quantize_columns_e4m3(ctx.x_routed, offsets, counts)
+    else:
+        scale, by_rows = _routed_scales(ctx)
+        x_t, x_s = ops.quantize_columns_e4m3(ctx.x_e4m3, offsets, counts, x_scale=scale, scale_rows=by_rows)
+    return act_t, act_s, x_t, x_s
 
 
 def _shared_gate_up(ws, x, shared_fc1, keep_gate_up: bool, gemm_ctas: int, seg=None, w8=None):
@@ -633,7 +656,8 @@ def _reference_backward(cfg, ws, sched, ctx, grad_out, x, probs, fc1, fc2, share
         ctx = reference.recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1, cfg.precision,
                                                    cfg.shared_precision)
     dx, dprobs, *wgrads = reference.backward(ws, sched, ctx, grad_out, x, probs, fc1, fc2, shared_fc1, shared_fc2,
-                                             dgrad_precision=cfg.dgrad_precision)
+                                             dgrad_precision=cfg.dgrad_precision,
+                                             wgrad_precision=cfg.wgrad_precision)
     return MoKGrads(dx.to(x.dtype), dprobs, *_accumulate(wgrads, main_grads))
 
 
@@ -675,6 +699,13 @@ def _bwd_side_early() -> bool:
     """MOK_BWD_SIDE_EARLY=0: the backward's side-stream work waits for the pull to finish instead of
     starting beside it (same bits; read per call, so a benchmark can A/B it)."""
     return os.environ.get("MOK_BWD_SIDE_EARLY", "1") != "0"
+
+
+def _wgrad8_side() -> bool:
+    """MOK_WGRAD8_SIDE=0: the fp8 weight gradients' dy and dh transposes run on the caller's stream
+    right before their GEMMs instead of on the side stream as soon as dy and dh exist (same bits;
+    read per call, so a benchmark can A/B it)."""
+    return os.environ.get("MOK_WGRAD8_SIDE", "1") != "0"
 
 
 def _bwd_gemms_on_torch() -> bool:
@@ -778,7 +809,10 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
        closing barrier (fp8, ``MOK_FP8_PUSH`` on by default: the fc1 dgrad's epilogue stores them
        and ``barrier_open`` opens the barrier);
     5. routed wgrad while the peers finish pushing (``expert_wgrad``, reading the padded rows):
-       ``dfc2[e] = dy^T @ act``, ``dfc1[e] = dh^T @ x_routed``; experts without rows get exact zeros;
+       ``dfc2[e] = dy^T @ act``, ``dfc1[e] = dh^T @ x_routed``; experts without rows get exact zeros
+       (``cfg.wgrad_precision == "fp8"``: ``expert_wgrad_fp8`` on the operands' e4m3 transposes,
+       ``quantize_columns_e4m3``; act and the dispatched e4m3 rows on the side stream in step 3,
+       dy and dh there too once they exist, ``MOK_WGRAD8_SIDE=0``: here);
     6. ``bwd_epilogue_wait``: closes the barrier, ``dx[t] = sum_s slot[t, s]`` in slot order in fp32
        ``+`` shared dx, cast once; ``dprobs`` copied out of the symmetric buffer.
 
@@ -790,8 +824,8 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
 
     ``cfg.dgrad_precision == "fp8"``: step 4's two dgrads run on block-scaled e4m3 operands
     (``_routed_dgrads_fp8``; the weights' transposed copies from ``fp8_weights`` or quantized here)
-    on the staged launches, whatever ``MOK_BWD_KERNEL`` says; the weight gradients and the shared
-    expert's backward stay bf16.
+    on the staged launches, whatever ``MOK_BWD_KERNEL`` says; with ``cfg.wgrad_precision == "fp8"``
+    the routed weight gradients too (step 5); the shared expert's backward stays bf16.
 
     Weight gradients come back in bf16 (fp32 accumulation inside each GEMM, one rounding; autograd
     casts them to the weights' dtype anyway); with ``main_grads`` they are added into those fp32
@@ -822,19 +856,24 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     kernel = _bwd_kernel()
     on_torch = _bwd_gemms_on_torch() or nle > ops.EXPERT_GEMM_MAX_SEGMENTS
     w8 = None
-    if cfg.dgrad_precision == "fp8":
-        if on_torch:
-            raise RuntimeError("megatron_mok: the fp8 dgrads (MoKConfig.fp8_dgrad) run on mok's GEMMs only: at most "
+    # fp8 weight gradients: their operands transposed into e4m3, the dispatched rows straight from
+    # the forward's e4m3 copy
+    wgrad8 = cfg.wgrad_precision == "fp8"
+    for on, field in ((cfg.dgrad_precision == "fp8", "fp8_dgrad"), (wgrad8, "fp8_wgrad")):
+        if on and on_torch:
+            raise RuntimeError(f"megatron_mok: MoKConfig.{field} runs on mok's GEMMs only: at most "
                                f"{ops.EXPERT_GEMM_MAX_SEGMENTS} local experts and no MOK_BWD_GEMM=torch "
-                               f"(got {nle} local experts); or set fp8_dgrad=False")
-        kernel = "staged"
+                               f"(got {nle} local experts); or set {field}=False")
+        if on:
+            kernel = "staged"
+    if cfg.dgrad_precision == "fp8":
         w8 = fp8_weights if fp8_weights is not None and fp8_weights.has_transposed else \
             quantize_expert_weights(fc1, fc2, transposed=True)
     mega = kernel == "mega" and not on_torch and nle <= ops.BWD_MEGAKERNEL_MAX_EXPERTS
     # fp8: the dispatched e4m3 rows as bf16, the fc1 weight gradient's operand. The staged launches
     # need them only then (the gate/up products are kept), so they dequantize on the side stream.
-    defer_x = ctx.x_routed is None and ctx.h is not None and not mega
-    if ctx.x_routed is None and not defer_x:
+    defer_x = ctx.x_routed is None and ctx.h is not None and not mega and not wgrad8
+    if ctx.x_routed is None and not defer_x and not (wgrad8 and ctx.h is not None):
         ctx = dataclasses.replace(ctx, x_routed=routed_rows(ctx, sched))
     bf16 = dict(dtype=torch.bfloat16, device=ws.device)
     fc1, fc2 = fc1.contiguous(), fc2.contiguous()
@@ -894,7 +933,7 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
         dyq = torch.empty((cap, H), dtype=torch.float8_e4m3fn, device=ws.device)
         dys = torch.empty((H // fp8.BLOCK, -(-cap // 4) * 4), dtype=torch.float32, device=ws.device)
     main = torch.cuda.current_stream(ws.device)
-    side = _side_stream(ws.device) if (shared_fc1 is not None or defer_x) and _bwd_overlap_enabled() else None
+    side = _side_stream(ws.device) if (shared_fc1 is not None or defer_x or wgrad8) and _bwd_overlap_enabled() else None
     before_pull = _mark(side if _bwd_side_early() else None)
     ops.bwd_pull(sched.row_src_rank, sched.row_src_slot, row_offs, ctx.y_routed, dy, g_ptrs, p_ptrs, dw_ptrs, k,
                  comm_ctas, trow=trow, q=dyq, q_scale=dys)
@@ -908,15 +947,44 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
             return _shared_backward(ctx, g, x, shared_fc1, shared_fc2)
         return _shared_backward_mok(c, ctx, g, x, shared_fc1, shared_fc2)
 
-    shared, x_routed, x_ready = None, ctx.x_routed, None
+    shared, x_routed, x_ready, early8 = None, ctx.x_routed, None, None
     if side is not None:
         side.wait_event(before_pull if before_pull is not None else _mark(True))
         with torch.cuda.stream(side):
             if defer_x:
                 x_routed = routed_rows(ctx, sched)
                 x_ready = _mark(True)
+            if wgrad8:  # the operands that exist before the pull
+                early8 = _early_wgrad_operands_e4m3(ctx, sched)
+                x_ready = _mark(True)
             if shared_fc1 is not None:
                 shared = shared_backward()
+
+    # fp8 weight gradients: dy and dh transposed on the side stream once they exist (late8[name]:
+    # the transpose, its scales and an event; None: on this stream before their GEMMs)
+    late8 = {}
+
+    def transpose_late(name, t):
+        if side is None or not _wgrad8_side():
+            late8[name] = None
+            return
+        side.wait_event(_mark(True))
+        with torch.cuda.stream(side):
+            late8[name] = (*ops.quantize_columns_e4m3(t, offsets, counts), _mark(True))
+        t.record_stream(side)
+
+    def late_operand(name, t):
+        if late8.get(name) is None:
+            return ops.quantize_columns_e4m3(t, offsets, counts)
+        q_t, scale, ready = late8.pop(name)
+        main.wait_event(ready)
+        q_t.record_stream(main)
+        scale.record_stream(main)
+        return q_t, scale
+
+    if wgrad8:
+        transpose_late("dy", dy)
+    dh_done = (lambda: transpose_late("dh", dh)) if wgrad8 else None
 
     # 4. routed dgrad first (the critical path to the push): h = x_routed @ fc1[e]^T from the context
     # (or recomputed by the forward's SwiGLU GEMM: the same bits), da = dy @ fc2[e],
@@ -935,10 +1003,13 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
         # MOK_FP8_PUSH (default on): the fc1 dgrad's epilogue pushes the dx rows (no bwd_push launch)
         pushed = _fp8_push_enabled()
         _routed_dgrads_fp8(w8, dyq, dys, h, offsets, counts, dh, dx_rows,
-                           push=(sched.row_src_rank, sched.row_src_slot, slot_ptrs) if pushed else None)
+                           push=(sched.row_src_rank, sched.row_src_slot, slot_ptrs) if pushed else None,
+                           dh_done=dh_done)
         del h, dyq, dys
     else:  # expert-major GEMMs (weights MN-major); the SwiGLU backward in the first one's epilogue
         ops.expert_dgrad(dy, fc2, offsets, counts, dh, h=h)
+        if dh_done is not None:
+            dh_done()
         del h
         dx_rows = torch.empty((cap, H), **bf16)
         ops.expert_dgrad(dh, fc1, offsets, counts, dx_rows)
@@ -952,12 +1023,15 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
         ops.bwd_push(dx_rows, sched.row_src_rank, sched.row_src_slot, row_offs, c.state, slot_ptrs, c.flag_ptrs,
                      ws.rank, comm_ctas, trow=trow)
     del dx_rows
-    if defer_x:  # the dequantized rows: from the side stream, or here
+    if defer_x or wgrad8:  # the dequantized rows or e4m3 operands: from the side stream, or here
         if x_ready is not None:
             main.wait_event(x_ready)
-            x_routed.record_stream(main)
-        else:
+            for t in [x_routed] if defer_x else early8:
+                t.record_stream(main)
+        elif defer_x:
             x_routed = routed_rows(ctx, sched)
+        else:
+            early8 = _early_wgrad_operands_e4m3(ctx, sched)
     if shared_fc1 is not None and shared is None:
         shared = shared_backward()
     if on_torch:  # act and x_routed gathered into the tight layout first
@@ -971,6 +1045,19 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
         dfc1 = torch._grouped_mm(dh.t(), x_t, offs=row_offs[1:])  # [nle, 2I, H]
         del x_t, dh
         ops.zero_empty_segments(dfc1, counts)
+    elif wgrad8:  # e4m3 transposes, one scale per (expert, column)
+        act_t, act_s, x_t, x_s = early8
+        del early8
+        dfc2 = torch.empty((nle, H, I), **bf16)
+        dy_t, dy_s = late_operand("dy", dy)
+        del dy
+        ops.expert_wgrad_fp8(dy_t, dy_s, act_t, act_s, offsets, counts, dfc2)
+        del dy_t, act_t
+        dfc1 = torch.empty((nle, 2 * I, H), **bf16)
+        dh_t, dh_s = late_operand("dh", dh)
+        del dh
+        ops.expert_wgrad_fp8(dh_t, dh_s, x_t, x_s, offsets, counts, dfc1)
+        del dh_t, x_t
     else:
         dfc2 = torch.empty((nle, H, I), **bf16)
         ops.expert_wgrad(dy, offsets, ctx.act, offsets, counts, dfc2)

@@ -64,7 +64,8 @@ def _register_fakes() -> None:
                  "combine", "moe_epilogue", "moe_epilogue_wait", "megakernel", "megakernel_timeline",
                  "bwd_publish", "bwd_pull",
                  "bwd_tight_map", "gather_rows", "swiglu_backward", "expert_dgrad", "expert_wgrad", "zero_empty_segments", "bwd_push",
-                 "bwd_epilogue_wait", "bwd_megakernel", "expert_gemm_fp8", "quantize_rows_e4m3", "dequantize_rows_e4m3", "quantize_weight_e4m3"):
+                 "bwd_epilogue_wait", "bwd_megakernel", "expert_gemm_fp8", "quantize_rows_e4m3", "dequantize_rows_e4m3", "quantize_weight_e4m3",
+                 "quantize_columns_e4m3", "expert_wgrad_fp8"):
         torch.library.register_fake(f"megatron_mok::{name}")(_noop)
 
 
@@ -319,6 +320,29 @@ def expert_wgrad(a, a_offsets, b, b_offsets, counts, out, num_ctas: int = 0) -> 
     ``a`` (``[rows, M]``) and ``b_offsets[e]`` in ``b`` (``[rows', N]``); the rows up to the next
     multiple of 16 are read too and must be zero in ``a`` or ``b``. Experts without rows get zeros."""
     _ops().expert_wgrad(a, a_offsets, b, b_offsets, counts, out, num_ctas)
+
+
+def quantize_columns_e4m3(x, offsets, counts, x_scale=None, scale_rows: bool = False):
+    """Expert-segmented rows x ``[rows, C]`` (bf16, or e4m3 with its 128-column scales ``x_scale``:
+    ``[C / 128, ld]``, or ``[rows, >= C / 128]`` with scale_rows) -> ``(q_t [C, ld] e4m3, scale [nseg, C]
+    fp32)``, the transpose that ``expert_wgrad_fp8`` reads: per expert e and column c, ``scale[e, c] =
+    max(amax, 1e-4) / 448`` over the expert's ``counts[e]`` rows from ``offsets[e]`` and ``q_t[c, r] =
+    e4m3(x[r, c] / scale[e, c])`` (as ``fp8.quantize_columns``). Each expert's columns of q_t are written
+    up to its row count rounded up to 128, inside its segment (rows past the count as zeros; the
+    padded layout's segments, multiples of 128); ``ld`` = rows rounded up to 16."""
+    rows, c = x.shape
+    q_t = torch.empty((c, -(-rows // 16) * 16), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((counts.numel(), c), dtype=torch.float32, device=x.device)
+    _ops().quantize_columns_e4m3(x, x_scale, scale_rows, offsets, counts, q_t, scale)
+    return q_t, scale
+
+
+def expert_wgrad_fp8(a_t, a_scale, b_t, b_scale, offsets, counts, out, num_ctas: int = 0) -> None:
+    """``out[e] = (a_t[:, rows of e] @ b_t[:, rows of e]^T) * a_scale[e][:, None] * b_scale[e][None, :]``
+    (``[nseg, M, N]`` bf16), the e4m3 twin of ``expert_wgrad``: ``a_t [M, ld]``, ``b_t [N, ld]`` and
+    their scales from ``quantize_columns_e4m3`` of one row layout; the tensor cores sum the expert's
+    rows (rounded up to 32) and the epilogue applies both scales. Experts without rows get zeros."""
+    _ops().expert_wgrad_fp8(a_t, a_scale, b_t, b_scale, offsets, counts, out, num_ctas)
 
 
 def zero_empty_segments(t, seg_counts) -> None:

@@ -90,6 +90,12 @@ def _bf16(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).to(t.dtype)
 
 
+def _qdq_columns(t: torch.Tensor) -> torch.Tensor:
+    """One expert's rows rounded to bf16, then e4m3 with one scale per column, and back (the fp8
+    weight gradients' operands)."""
+    return fp8.dequantize_columns(*fp8.quantize_columns(t.to(torch.bfloat16))).to(t.dtype)
+
+
 def recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1=None, precision: str = "bf16",
                               shared_precision: str | None = None) -> ReferenceContext:
     """Dispatch, gate/up, SwiGLU and down projection of the routed rows (no combine).
@@ -155,8 +161,12 @@ def forward(ws, sched, x, probs, fc1, fc2, shared_fc1=None, shared_fc2=None, pre
 
 
 def backward(ws, sched, ctx: ReferenceContext, grad_out, x, probs, fc1, fc2, shared_fc1=None, shared_fc2=None,
-             dgrad_precision: str = "bf16"):
+             dgrad_precision: str = "bf16", wgrad_precision: str = "bf16"):
     """Returns (dx, dprobs, dfc1, dfc2, dshared_fc1, dshared_fc2); weight grads in fp32 (fp64 for fp64 x).
+
+    wgrad_precision "fp8" (``MoKConfig.fp8_wgrad``): the routed weight gradients' operands (dy, act,
+    dh and the dispatched rows, each rounded to bf16 as the kernels hold them) go through e4m3 with
+    one scale per expert and column (``fp8.quantize_columns``).
 
     dgrad_precision "fp8" (``MoKConfig.fp8_dgrad``): the routed dgrads' operands go through
     block-scaled e4m3 as the kernels quantize them: dy (rounded to bf16) along H against fc2, and
@@ -181,6 +191,7 @@ def backward(ws, sched, ctx: ReferenceContext, grad_out, x, probs, fc1, fc2, sha
     dfc1 = torch.zeros(fc1.shape, dtype=cd, device=fc1.device)
     dfc2 = torch.zeros(fc2.shape, dtype=cd, device=fc2.device)
     quant = dgrad_precision == "fp8"
+    wq = _qdq_columns if wgrad_precision == "fp8" else (lambda t: t)
     if quant:
         w1 = fp8.quantize_weight(fc1, swiglu=True).dequantize().to(cd)
         w2 = fp8.quantize_weight(fc2, swiglu=False).dequantize().to(cd)
@@ -190,15 +201,16 @@ def backward(ws, sched, ctx: ReferenceContext, grad_out, x, probs, fc1, fc2, sha
         rows = slice(start, start + count)
         h = ctx.fc1_out[rows]
         a = _swiglu(h)
-        dfc2[e] = dy[rows].t() @ a
+        dfc2[e] = wq(dy[rows]).t() @ wq(a)
         if quant:
             dh = _bf16(_swiglu_backward(_bf16(h), _bf16(_qdq_rows(dy[rows]) @ w2[e])))
-            dfc1[e] = dh.t() @ ctx.x_routed[rows]
             dx_rows[rows] = _qdq_rows(dh, gate_up_pairs=True) @ w1[e]
-            continue
-        dh = _swiglu_backward(h, dy[rows] @ fc2[e].to(cd))
-        dfc1[e] = dh.t() @ ctx.x_routed[rows]
-        dx_rows[rows] = dh @ fc1[e].to(cd)
+        else:
+            dh = _swiglu_backward(h, dy[rows] @ fc2[e].to(cd))
+            dx_rows[rows] = dh @ fc1[e].to(cd)
+            if wgrad_precision == "fp8":  # dh as the bf16 dgrad kernel holds it: from bf16 h, dy and da
+                dh = _swiglu_backward(_bf16(h), _bf16(_bf16(dy[rows]) @ fc2[e].to(cd)))
+        dfc1[e] = wq(dh).t() @ wq(ctx.x_routed[rows])
     dx_slots = _push_rows(ws, sched, dx_rows).view(ws.num_tokens, k, -1)
     dprobs = _push_rows(ws, sched, d_w_rows).view(ws.num_tokens, k)
     dx = torch.zeros_like(gc)

@@ -98,12 +98,20 @@ def test_mok_precision_flag_selects_fp8(monkeypatch):
                                       "--mok-bf16-shared"])
     cfg = mok_config_from_args(parse_args(add_mok_args))
     assert cfg.dgrad_precision == "fp8" and cfg.shared_precision == "bf16"
+    assert cfg.wgrad_precision == "fp8"
+    monkeypatch.setattr(sys, "argv", ["pretrain", *base, "--moe-backend", "mok", "--mok-precision", "fp8",
+                                      "--mok-bf16-wgrad"])
+    cfg = mok_config_from_args(parse_args(add_mok_args))
+    assert cfg.wgrad_precision == "bf16" and cfg.dgrad_precision == "fp8" and cfg.shared_precision == "fp8"
     monkeypatch.setattr(sys, "argv", ["pretrain", *base, "--moe-backend", "mok"])
     cfg = mok_config_from_args(parse_args(add_mok_args))
-    assert cfg.precision == "bf16" and cfg.dgrad_precision == "bf16"
+    assert cfg.precision == "bf16" and cfg.dgrad_precision == "bf16" and cfg.wgrad_precision == "bf16"
     monkeypatch.setattr(sys, "argv", ["pretrain", *base, "--moe-backend", "mok", "--mok-bf16-dgrad"])
     with pytest.raises(MoKConfigError, match="--mok-bf16-dgrad: .* only applies with --mok-precision fp8"):
         mok_config_from_args(parse_args(add_mok_args))
     monkeypatch.setattr(sys, "argv", ["pretrain", *base, "--moe-backend", "mok", "--mok-bf16-shared"])
     with pytest.raises(MoKConfigError, match="--mok-bf16-shared: .* only applies with --mok-precision fp8"):
+        mok_config_from_args(parse_args(add_mok_args))
+    monkeypatch.setattr(sys, "argv", ["pretrain", *base, "--moe-backend", "mok", "--mok-bf16-wgrad"])
+    with pytest.raises(MoKConfigError, match="--mok-bf16-wgrad: the weight gradients are bf16 already"):
         mok_config_from_args(parse_args(add_mok_args))

@@ -202,6 +202,53 @@ def test_fp8_shared_false_keeps_the_shared_expert_bf16():
         MoKConfig(fp8_shared=1)
 
 
+def test_quantize_columns_one_scale_per_column():
+    """The weight gradients' operands: one scale per column over all rows of an expert; zero
+    columns (and an expert without rows) get the finite all-zero scale."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(300, 192, generator=g).to(torch.bfloat16)
+    x[:, 5] = 0
+    x[7, 9] = 1000.0  # one large value sets its column's scale only
+    q, s = fp8.quantize_columns(x)
+    assert q.dtype == fp8.E4M3 and q.shape == x.shape and s.shape == (192,)
+    assert torch.equal(s, x.float().abs().amax(0).clamp(min=fp8.MIN_AMAX) / fp8.E4M3_MAX)
+    assert s[5] == fp8.MIN_AMAX / fp8.E4M3_MAX and torch.equal(q[:, 5].float(), torch.zeros(300))
+    back = fp8.dequantize_columns(q, s)
+    assert (back - x.float()).abs().max() <= s.max() * 16  # half an e4m3 step at the top binade
+    assert _rel(back, x.float()) < 4e-2
+    q0, s0 = fp8.quantize_columns(x[:0])
+    assert q0.shape == (0, 192) and torch.equal(s0, torch.full((192,), fp8.MIN_AMAX / fp8.E4M3_MAX))
+
+
+def test_reference_fp8_wgrads():
+    """wgrad_precision fp8 (MoKConfig.fp8_wgrad) moves the routed weight gradients by a few percent,
+    leaves dx, dprobs and the shared expert's gradients exactly, and experts without rows keep exact
+    zeros; the CPU path follows the flag."""
+    x, top, probs, fc1, fc2, sfc1, sfc2 = _layer_problem(I=256)
+    top[:, 0] = 0  # expert 0 gets every token (the longest token sum), experts 1 and 2 half, 3 none
+    top[:, 1] = 1 + torch.arange(x.shape[0]) % 2
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    grads = {}
+    for fp8_wgrad in (True, False):
+        cfg = MoKConfig(precision="fp8", fp8_wgrad=fp8_wgrad)
+        ws = get_workspace(None, "cpu", x.shape[0], x.shape[1], top.shape[1], fc1.shape[0], cfg)
+        sched = functional.build_schedule(cfg, ws, top)
+        _, ctx = functional.forward(cfg, ws, sched, x, probs, fc1, fc2, sfc1, sfc2)
+        grads[fp8_wgrad] = functional.backward(cfg, ws, sched, ctx, g, x, probs, fc1, fc2, sfc1, sfc2)
+        direct = reference.backward(ws, sched, ctx, g, x, probs, fc1, fc2, sfc1, sfc2,
+                                    dgrad_precision=cfg.dgrad_precision, wgrad_precision=cfg.wgrad_precision)
+        assert torch.equal(grads[fp8_wgrad].dfc1, direct[2])
+    q, b = grads[True], grads[False]
+    for name in ("dx", "dprobs", "dshared_fc1", "dshared_fc2"):
+        assert torch.equal(getattr(q, name), getattr(b, name)), name
+    for name in ("dfc1", "dfc2"):
+        assert 2e-3 < _rel(getattr(q, name), getattr(b, name)) < 6e-2, name
+        assert torch.count_nonzero(getattr(q, name)[-1]) == 0, name
+    assert MoKConfig(fp8_wgrad=True).wgrad_precision == "bf16"
+    with pytest.raises(Exception, match="fp8_wgrad must be a bool"):
+        MoKConfig(fp8_wgrad=1)
+
+
 def test_pair_columns_and_paired_row_blocks():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3, 2 * 192, generator=g).to(torch.bfloat16)  # [gate | up], 192 columns each

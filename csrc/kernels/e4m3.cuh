@@ -3,6 +3,8 @@
 // q = e4m3(x * (448 / max(amax, kMinAmax))) (round to nearest even, saturating).
 #pragma once
 
+#include <cuda_fp8.h>
+
 #include "common.cuh"
 
 namespace mok {
@@ -27,6 +29,16 @@ __device__ __forceinline__ float2 scale_and_inverse(float amax) {
 __device__ __forceinline__ uint2 pack8(const float (&v)[8], float inv) {
   return make_uint2(pack4(v[0] * inv, v[1] * inv, v[2] * inv, v[3] * inv),
                     pack4(v[4] * inv, v[5] * inv, v[6] * inv, v[7] * inv));
+}
+
+// Eight e4m3 values (bytes of raw, lowest first) as floats (exact).
+__device__ __forceinline__ void unpack8(uint2 raw, float (&v)[8]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const uint8_t b = static_cast<uint8_t>(((j < 4 ? raw.x : raw.y) >> (8 * (j % 4))) & 0xff);
+    const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), __NV_E4M3);
+    v[j] = __half2float(__half(h));
+  }
 }
 
 // amax of a 128-value block held 8 per lane by 16 consecutive lanes (a half warp). Every lane of

@@ -210,15 +210,93 @@ __global__ void __launch_bounds__(256) dequantize_rows_e4m3_kernel(const uint8_t
     const int64_t r = i / per_row;
     const int c = static_cast<int>(i % per_row) * 8;
     const float s = scale[sl.at(r, c / 128)];
-    const uint2 raw = *reinterpret_cast<const uint2*>(q + r * K + c);
     float v[8];
+    e4m3::unpack8(*reinterpret_cast<const uint2*>(q + r * K + c), v);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const uint8_t b = static_cast<uint8_t>(((j < 4 ? raw.x : raw.y) >> (8 * (j % 4))) & 0xff);
-      __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), __NV_E4M3);
-      v[j] = __half2float(__half(h)) * s;
-    }
+    for (int j = 0; j < 8; ++j) v[j] *= s;
     st16(x + r * K + c, pack8(v));
+  }
+}
+
+// The weight gradients' e4m3 operands (expert_wgrad_fp8): one CTA per (64 columns, expert).
+// Pass 1: each column's amax over the expert's real rows (thread: 8 columns of every 32nd row).
+// Pass 2: 128-row chunks, a thread quantizes rows 4 i .. 4 i + 3 of its 8 columns (rows past the
+// count as zeros) and stores each column's 4 bytes as one word of the transposed tile
+// [64 columns][128 rows], whose 16-byte chunks are XOR-swizzled by column / 8 (conflict-free
+// stores; each column row then leaves as 16-byte pieces). The segment's columns of q_t are
+// written up to ceil128(count), clipped to the segment.
+template <bool kE4m3In>
+__global__ void __launch_bounds__(256) quantize_columns_e4m3_kernel(const void* __restrict__ x,
+                                                                    const float* __restrict__ x_scale, ScaleLayout sl,
+                                                                    int C, const int* __restrict__ offsets,
+                                                                    const int* __restrict__ counts,
+                                                                    uint8_t* __restrict__ q_t, int64_t ld,
+                                                                    float* __restrict__ scale) {
+  __shared__ float part[32][64];
+  __shared__ float inverse[64];
+  __shared__ __align__(16) uint32_t tile[64 * 32];
+  const int e = blockIdx.y, c = blockIdx.x * 64 + 8 * (threadIdx.x % 8);
+  const int cg = threadIdx.x % 8, lane_r = threadIdx.x / 8;
+  const int64_t off = offsets[e];
+  const int seg = offsets[e + 1] - offsets[e];
+  const int n = max(0, min(counts[e], seg));
+  auto load8 = [&](int64_t row, float (&v)[8]) {
+    if constexpr (kE4m3In) {  // dequantized to bf16 first, as dequantize_rows_e4m3 gives the rows
+      e4m3::unpack8(*reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(x) + row * C + c), v);
+      const float s = x_scale[sl.at(row, c / 128)];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = __bfloat162float(__float2bfloat16_rn(v[j] * s));
+    } else {
+      unpack8(ld16(static_cast<const __nv_bfloat16*>(x) + row * C + c), v);
+    }
+  };
+  float amax[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int r = lane_r; r < n; r += 32) {
+    float v[8];
+    load8(off + r, v);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) amax[j] = fmaxf(amax[j], fabsf(v[j]));
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) part[lane_r][8 * cg + j] = amax[j];
+  __syncthreads();
+  if (threadIdx.x < 64) {
+    float a = 0.f;
+    for (int i = 0; i < 32; ++i) a = fmaxf(a, part[i][threadIdx.x]);
+    const float2 si = e4m3::scale_and_inverse(a);
+    scale[static_cast<int64_t>(e) * C + blockIdx.x * 64 + threadIdx.x] = si.x;
+    inverse[threadIdx.x] = si.y;
+  }
+  __syncthreads();
+  float inv[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) inv[j] = inverse[8 * cg + j];
+  const int written = min((n + 127) / 128 * 128, seg);
+  for (int t0 = 0; t0 < written; t0 += 128) {
+    float v[4][8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = t0 + 4 * lane_r + i;
+      if (r < n) {
+        load8(off + r, v[i]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[i][j] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j)  // column 8 cg + j, rows 4 lane_r .. + 3: word lane_r of its row, swizzled
+      tile[(8 * cg + j) * 32 + (lane_r ^ (4 * cg))] =
+          e4m3::pack4(v[0][j] * inv[j], v[1][j] * inv[j], v[2][j] * inv[j], v[3][j] * inv[j]);
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int col = threadIdx.x / 8 + 32 * h, piece = threadIdx.x % 8;  // 16-byte piece of the column's row
+      if (t0 + 16 * piece < written)
+        *reinterpret_cast<uint4*>(q_t + (blockIdx.x * 64 + col) * ld + off + t0 + 16 * piece) =
+            *reinterpret_cast<const uint4*>(&tile[col * 32 + 4 * (piece ^ (col / 8))]);
+    }
+    __syncthreads();
   }
 }
 
@@ -436,6 +514,27 @@ const char* launch_dequantize_rows_e4m3(const void* q, const float* scale, int64
   dequantize_rows_e4m3_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
       static_cast<const uint8_t*>(q), scale, static_cast<__nv_bfloat16*>(x), rows, K,
       ScaleLayout{scale_row_stride, scale_kb_stride}, rows_end);
+  return launch_status();
+}
+
+const char* launch_quantize_columns_e4m3(const void* x, bool x_e4m3, const float* x_scale, int64_t scale_row_stride,
+                                         int64_t scale_kb_stride, int64_t rows, int C, const int* offsets,
+                                         const int* counts, int nseg, void* q_t, int64_t ld, float* scale,
+                                         cudaStream_t stream) {
+  if (nseg <= 0 || C <= 0) return nullptr;
+  if (C % 64) return "mok quantize_columns_e4m3: the column count must be a multiple of 64";
+  if (x_e4m3 && (C % 128 || x_scale == nullptr)) return "mok quantize_columns_e4m3: e4m3 rows need their 128-column scales";
+  if (ld < rows || ld % 16) return "mok quantize_columns_e4m3: q_t's pitch must be >= rows and a multiple of 16";
+  if (nseg > 65535) return "mok quantize_columns_e4m3: at most 65535 segments";
+  if (!aligned16(x) || !aligned16(q_t)) return "mok quantize_columns_e4m3: x and q_t must be 16-byte aligned";
+  const dim3 grid(static_cast<unsigned>(C / 64), static_cast<unsigned>(nseg));
+  const ScaleLayout sl{scale_row_stride, scale_kb_stride};
+  if (x_e4m3)
+    quantize_columns_e4m3_kernel<true><<<grid, 256, 0, stream>>>(x, x_scale, sl, C, offsets, counts,
+                                                                  static_cast<uint8_t*>(q_t), ld, scale);
+  else
+    quantize_columns_e4m3_kernel<false><<<grid, 256, 0, stream>>>(x, x_scale, sl, C, offsets, counts,
+                                                                   static_cast<uint8_t*>(q_t), ld, scale);
   return launch_status();
 }
 

@@ -3,6 +3,7 @@
 #include <stdlib.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "expert_gemm.cuh"
 #include "expert_wgrad.cuh"
@@ -158,10 +159,14 @@ const char* launch_expert_kernel(Kernel kernel, const CUtensorMap& tmW, const CU
 }
 
 // Routed weight gradients (expert_wgrad.cuh): persistent CTAs walk the tasks round-robin.
-template <bool kTmaStore>
+// E4m3Operands (TMA stores only): the accumulators times a_scale[e][m] * b_scale[e][n] first.
+template <bool kTmaStore, class Ops = xwgrad::Bf16Operands>
 __global__ void __launch_bounds__(xgemm::kThreads, 1)
     expert_wgrad_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
-                        const __grid_constant__ CUtensorMap tmOut, xwgrad::Params p) {
+                        const __grid_constant__ CUtensorMap tmOut, xwgrad::Params p, const float* a_scale,
+                        const float* b_scale) {
+  constexpr bool kE4m3 = std::is_same_v<Ops, xwgrad::E4m3Operands>;
+  static_assert(kTmaStore || !kE4m3, "the e4m3 weight gradients leave through TMA stores");
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const auto sm = xwgrad::carve_smem<kTmaStore>(smem_raw);
   gemm::init_ring_barriers(sm, sm.kStages);
@@ -173,14 +178,20 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
         tma_prefetch_desc(&tmB);
         uint32_t it = 0;
         for (int u = blockIdx.x; u < tasks; u += gridDim.x)
-          xwgrad::produce_task(p, &tmA, &tmB, sm, xwgrad::decode(p, u), it);
+          xwgrad::produce_task<false, Ops>(p, &tmA, &tmB, sm, xwgrad::decode(p, u), it);
       },
       [] {},
       [&](int cw) {
         float acc[128];
         uint32_t it = 0;
         for (int u = blockIdx.x; u < tasks; u += gridDim.x) {
-          xwgrad::mma_task(p, sm, cw, xwgrad::decode(p, u), acc, it);
+          if constexpr (kE4m3) {  // the scales' loads are in flight during the MMA
+            const auto scales = xwgrad::row_column_scales(p, a_scale, b_scale, xwgrad::decode(p, u), cw);
+            xwgrad::mma_task<false, Ops>(p, sm, cw, xwgrad::decode(p, u), acc, it);
+            xwgrad::store_task_tma(p, sm, &tmOut, xwgrad::decode(p, u), cw, acc, scales);
+            continue;
+          }
+          xwgrad::mma_task<false, Ops>(p, sm, cw, xwgrad::decode(p, u), acc, it);
           if constexpr (kTmaStore)
             xwgrad::store_task_tma(p, sm, &tmOut, xwgrad::decode(p, u), cw, acc);
           else
@@ -197,30 +208,62 @@ bool wgrad_tma_store() {
   return !(v != nullptr && v[0] == '0');
 }
 
+// The persistent grid of a weight-gradient launch: at most one CTA a task.
+template <class Kernel>
+const char* launch_wgrad(Kernel kernel, int smem, const xwgrad::Params& p, int num_ctas, cudaStream_t stream,
+                         const CUtensorMap& tmA, const CUtensorMap& tmB, const CUtensorMap& tmOut,
+                         const float* a_scale, const float* b_scale) {
+  cudaLaunchConfig_t cfg = launch_config(xgemm::kThreads, smem, stream, false, nullptr);
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
+    return "mok expert_wgrad: cannot raise the shared-memory limit";
+  const int64_t tasks = (int64_t)p.nseg * p.m_blocks * p.n_blocks;
+  const int ctas = num_ctas > 0 ? num_ctas : num_sms();
+  cfg.gridDim = dim3(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ctas, tasks))));
+  return launch_ex(cfg, kernel, tmA, tmB, tmOut, p, a_scale, b_scale);
+}
+
+const char* check_wgrad_shape(int nseg, int M, int N, const void* out) {
+  if (nseg < 1) return "mok expert_wgrad: no segments";
+  if (M <= 0 || N <= 0 || M % 8 || N % 8) return "mok expert_wgrad: M and N must be positive multiples of 8";
+  if (!aligned16(out)) return "mok expert_wgrad: out must start at a 16-byte aligned address (16-byte stores)";
+  return nullptr;
+}
+
 }  // namespace
 
 const char* launch_expert_wgrad(const void* a, int64_t a_rows, int M, const int* a_offsets, const void* b,
                                 int64_t b_rows, int N, const int* b_offsets, const int* counts, int nseg, void* out,
                                 int num_ctas, cudaStream_t stream) {
-  if (nseg < 1) return "mok expert_wgrad: no segments";
-  if (M <= 0 || N <= 0 || M % 8 || N % 8) return "mok expert_wgrad: M and N must be positive multiples of 8";
+  if (const char* m = check_wgrad_shape(nseg, M, N, out)) return m;
   if (a_rows > (int64_t)1 << 30 || b_rows > (int64_t)1 << 30) return "mok expert_wgrad: too many rows";
-  if (!aligned16(out)) return "mok expert_wgrad: out must start at a 16-byte aligned address (16-byte stores)";
   CUtensorMap tmA, tmB;
   if (const char* m = xwgrad::make_operand_maps(&tmA, &tmB, a, a_rows, M, b, b_rows, N)) return m;
   const xwgrad::Params p = xwgrad::make_params(a_offsets, b_offsets, counts, nseg, M, N, out);
   CUtensorMap tmOut;
   if (const char* m = xwgrad::make_out_map(&tmOut, out, nseg, M, N)) return m;
-  const bool tma = wgrad_tma_store();
-  auto kernel = tma ? expert_wgrad_kernel<true> : expert_wgrad_kernel<false>;
-  const int smem = tma ? xwgrad::Smem<true>::kBytes : xwgrad::Smem<false>::kBytes;
-  cudaLaunchConfig_t cfg = launch_config(xgemm::kThreads, smem, stream, false, nullptr);
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
-    return "mok expert_wgrad: cannot raise the shared-memory limit";
-  const int64_t tasks = (int64_t)nseg * p.m_blocks * p.n_blocks;
-  const int ctas = num_ctas > 0 ? num_ctas : num_sms();
-  cfg.gridDim = dim3(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ctas, tasks))));
-  return launch_ex(cfg, kernel, tmA, tmB, tmOut, p);
+  if (wgrad_tma_store())
+    return launch_wgrad(expert_wgrad_kernel<true>, xwgrad::Smem<true>::kBytes, p, num_ctas, stream, tmA, tmB, tmOut,
+                        nullptr, nullptr);
+  return launch_wgrad(expert_wgrad_kernel<false>, xwgrad::Smem<false>::kBytes, p, num_ctas, stream, tmA, tmB, tmOut,
+                      nullptr, nullptr);
+}
+
+const char* launch_expert_wgrad_fp8(const void* a_t, int M, const float* a_scale, const void* b_t, int N,
+                                    const float* b_scale, int64_t ld, const int* offsets, const int* counts, int nseg,
+                                    void* out, int num_ctas, cudaStream_t stream) {
+  if (const char* m = check_wgrad_shape(nseg, M, N, out)) return m;
+  if (ld <= 0 || ld % 16 || ld > (int64_t)1 << 30)
+    return "mok expert_wgrad_fp8: the transposes' token pitch must be a positive multiple of 16";
+  if (!aligned16(a_t) || !aligned16(b_t) || (reinterpret_cast<uintptr_t>(a_scale) & 7) ||
+      (reinterpret_cast<uintptr_t>(b_scale) & 7))
+    return "mok expert_wgrad_fp8: operands need 16-byte and scales 8-byte aligned addresses";
+  CUtensorMap tmA, tmB;
+  if (const char* m = xwgrad::make_e4m3_operand_maps(&tmA, &tmB, a_t, M, b_t, N, ld)) return m;
+  const xwgrad::Params p = xwgrad::make_params(offsets, offsets, counts, nseg, M, N, out);
+  CUtensorMap tmOut;
+  if (const char* m = xwgrad::make_out_map(&tmOut, out, nseg, M, N)) return m;
+  return launch_wgrad(expert_wgrad_kernel<true, xwgrad::E4m3Operands>, xwgrad::Smem<true>::kBytes, p, num_ctas,
+                      stream, tmA, tmB, tmOut, a_scale, b_scale);
 }
 
 const char* launch_expert_dgrad(const void* dy, int64_t rows, int K, const void* w, int M, int nseg,

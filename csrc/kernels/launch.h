@@ -185,6 +185,24 @@ const char* launch_expert_wgrad(const void* a, int64_t a_rows, int M, const int*
                                 int64_t b_rows, int N, const int* b_offsets, const int* counts, int nseg, void* out,
                                 int num_ctas, cudaStream_t stream);
 
+// The same in e4m3: out[e] = (a_t[:, rows of e] @ b_t[:, rows of e]^T) * a_scale[e][m] * b_scale[e][n]
+// with a_t [M, ld], b_t [N, ld] from launch_quantize_columns_e4m3 (one row layout: expert e's
+// rows start at offsets[e]); counts[e] real rows, rounded up to 32 (rows between must be zero in
+// a_t or b_t, and finite in both); experts without rows get zeros.
+const char* launch_expert_wgrad_fp8(const void* a_t, int M, const float* a_scale, const void* b_t, int N,
+                                    const float* b_scale, int64_t ld, const int* offsets, const int* counts, int nseg,
+                                    void* out, int num_ctas, cudaStream_t stream);
+
+// x [rows, C] (bf16, or e4m3 with scales at x_scale[sl(row, c / 128)]) -> its transpose q_t [C, ld]
+// in e4m3, one scale per (expert, column): scale[e][c] = max(amax, 1e-4) / 448 over expert e's real
+// rows (offsets[e] .. + counts[e]), q_t[c][r] = e4m3(x[r][c] * 448 / max(amax, 1e-4)). Columns
+// offsets[e] .. + ceil64(counts[e]) of q_t are written (rows past the count as zeros; offsets
+// multiples of 64, inside ld).
+const char* launch_quantize_columns_e4m3(const void* x, bool x_e4m3, const float* x_scale, int64_t scale_row_stride,
+                                         int64_t scale_kb_stride, int64_t rows, int C, const int* offsets,
+                                         const int* counts, int nseg, void* q_t, int64_t ld, float* scale,
+                                         cudaStream_t stream);
+
 // dh [rows, 2I] = SwiGLU backward of h [rows, 2I] ([gate | up]) and da [rows, I]; rows =
 // min(seg_offsets[nseg], row_cap) (device value) or row_cap when seg_offsets is null. Rows past
 // that are not touched. trow (optional, needs seg_offsets = the tight offsets): da and dh are tight,

@@ -61,11 +61,13 @@ def add_mok_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--mok-peer-timeout-s", type=float, default=defaults.peer_timeout_s,
                        help="seconds a device-side wait on a peer may take before it errors")
     group.add_argument("--mok-precision", choices=("bf16", "fp8"), default=defaults.precision,
-                       help="fp8: the routed experts' forward GEMMs and backward dgrads and the shared "
-                            "expert's forward GEMMs on block-scaled e4m3 operands (weights quantized once per "
-                            "optimizer step); the rest of the layer bf16")
+                       help="fp8: the routed experts' forward GEMMs, backward dgrads and weight gradients "
+                            "and the shared expert's forward GEMMs on block-scaled e4m3 operands (weights "
+                            "quantized once per optimizer step); the rest of the layer bf16")
     group.add_argument("--mok-bf16-dgrad", action="store_true",
                        help="with --mok-precision fp8: keep the backward's routed dgrads in bf16")
+    group.add_argument("--mok-bf16-wgrad", action="store_true",
+                       help="with --mok-precision fp8: keep the routed experts' weight gradients in bf16")
     group.add_argument("--mok-bf16-shared", action="store_true",
                        help="with --mok-precision fp8: keep the shared expert's forward GEMMs in bf16")
     group.add_argument("--mok-recompute-gate-up", action="store_true",
@@ -88,15 +90,13 @@ def mok_config_from_args(args) -> MoKConfig:
     values = {field: getattr(args, arg) for arg, field in _ARG_TO_FIELD.items() if hasattr(args, arg)}
     if getattr(args, "mok_recompute_gate_up", False):
         values["save_gate_up"] = False
-    if getattr(args, "mok_bf16_dgrad", False):
-        if values.get("precision") != "fp8":
-            raise MoKConfigError("--mok-bf16-dgrad: the dgrads are bf16 already; it only applies with --mok-precision fp8")
-        values["fp8_dgrad"] = False
-    if getattr(args, "mok_bf16_shared", False):
-        if values.get("precision") != "fp8":
-            raise MoKConfigError("--mok-bf16-shared: the shared expert is bf16 already; it only applies with "
-                                 "--mok-precision fp8")
-        values["fp8_shared"] = False
+    for flag, field, what in (("dgrad", "fp8_dgrad", "the dgrads are"), ("wgrad", "fp8_wgrad", "the weight gradients are"),
+                              ("shared", "fp8_shared", "the shared expert is")):
+        if getattr(args, f"mok_bf16_{flag}", False):
+            if values.get("precision") != "fp8":
+                raise MoKConfigError(f"--mok-bf16-{flag}: {what} bf16 already; it only applies with "
+                                     "--mok-precision fp8")
+            values[field] = False
     if getattr(args, "fp8", None):
         raise MoKConfigError(f"--fp8-format {args.fp8}: Megatron's fp8 recipe (TransformerEngine) does not "
                              "cover --moe-backend mok's experts; use --mok-precision fp8 for mok's block-scaled "

@@ -33,7 +33,7 @@ def reference_grads(ws, sched_ref, x, probs, fc1, fc2, sfc1, sfc2, grad_out) -> 
     return list(reference.backward(ws, sched_ref, ctx, f(grad_out), f(x), probs, f(fc1), f(fc2), f(sfc1), f(sfc2)))
 
 
-def fp8_reference_grads(ws, top, inputs, grad_out, dgrad_precision: str) -> list:
+def fp8_reference_grads(ws, top, inputs, grad_out, dgrad_precision: str, wgrad_precision: str) -> list:
     """fp32 reference gradients on the reference fp8 forward's context (dequantized rows, the e4m3
     GEMMs' h), in GRAD_NAMES order."""
     from megatron_mok import reference
@@ -44,7 +44,7 @@ def fp8_reference_grads(ws, top, inputs, grad_out, dgrad_precision: str) -> list
     rs = build_schedule_reference(ws, top)
     rctx = reference.recompute_forward_context(ws, rs, f(x), f(fc1), f(fc2), f(sfc1), "fp8")
     return list(reference.backward(ws, rs, rctx, f(grad_out), f(x), probs, f(fc1), f(fc2), f(sfc1), f(sfc2),
-                                   dgrad_precision=dgrad_precision))
+                                   dgrad_precision=dgrad_precision, wgrad_precision=wgrad_precision))
 
 
 def check_close(got: list, ref: list, tol: float = 1e-2) -> dict:

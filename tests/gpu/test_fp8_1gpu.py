@@ -351,14 +351,117 @@ def test_fp8_forward_matches_fp8_reference(kind, shape, monkeypatch):
     ws.check_errors(blocking=True)
 
 
-@pytest.mark.parametrize("path,fp8_dgrad", [("staged", True), ("staged", False), ("mega", True)])
-def test_fp8_forward_cuda_graph_and_backward(path, fp8_dgrad):
+# experts of the weight-gradient tests: none, under/at/over the 32-row MMA groups and 128-row
+# stages, long token sums (the tensor cores sum a whole expert); segments padded to 128 rows (the
+# backward's layout)
+WGRAD_COUNTS = [0, 1, 31, 32, 33, 127, 128, 129, 300, 0, 700, 2500]
+
+
+def _padded_rows(counts, C, gen, scale_by_row: bool = False):
+    """x [rows, C] bf16 in the padded layout (NaN in every padding row: the count bounds every read)
+    and its int32 offsets/counts on the device."""
+    offs = [0]
+    for c in counts:
+        offs.append(offs[-1] + -(-c // 128) * 128)
+    x = torch.full((offs[-1] + 64, C), float("nan"))
+    for e, c in enumerate(counts):
+        v = torch.randn(c, C, generator=gen) * torch.rand(1, C, generator=gen) * 8
+        if scale_by_row:
+            v = v * torch.rand(c, 1, generator=gen)
+        x[offs[e]:offs[e] + c] = v
+    if counts[-1]:
+        x[offs[-2], 3] = 3e4  # one outlier sets its column's scale
+    return (x.bfloat16().to(DEV), torch.tensor(offs, dtype=torch.int32, device=DEV),
+            torch.tensor(counts, dtype=torch.int32, device=DEV), offs)
+
+
+def _check_columns(q_t, scale, src, offs, counts, what):
+    """q_t [C, ld] / scale [nseg, C] against fp8.quantize_columns of each expert's rows of src
+    (fp32 values): the same bytes and scales, zeros up to the count rounded to 128."""
+    for e, c in enumerate(counts):
+        q_ref, s_ref = fp8.quantize_columns(src[offs[e]:offs[e] + c])
+        assert torch.equal(scale[e].cpu(), s_ref), f"{what}: expert {e} scales differ"
+        assert torch.equal(_u8(q_t[:, offs[e]:offs[e] + c]).t().cpu(), _u8(q_ref)), f"{what}: expert {e} bytes differ"
+        pad = _u8(q_t[:, offs[e] + c:offs[e] + -(-c // 128) * 128])
+        assert bool((pad == 0).all()), f"{what}: expert {e}'s rows past its count are not zeros"
+
+
+@pytest.mark.parametrize("C", [128, 320])
+def test_quantize_columns_matches_reference_bits(C):
+    """The weight gradients' e4m3 transposes: bf16 rows, and e4m3 rows with their scales in either
+    layout (dequantized to bf16 first, as the backward sees them), give fp8.quantize_columns' bytes
+    and scales per expert; rows past an expert's count are never read (NaN) and written as zeros."""
+    from megatron_mok import ops
+
+    gen = torch.Generator().manual_seed(C)
+    x, offs_d, cnt, offs = _padded_rows(WGRAD_COUNTS, C, gen)
+    q_t, scale = ops.quantize_columns_e4m3(x, offs_d, cnt)
+    assert q_t.shape == (C, -(-x.shape[0] // 16) * 16) and scale.shape == (len(WGRAD_COUNTS), C)
+    _check_columns(q_t, scale, x.float().cpu(), offs, WGRAD_COUNTS, "bf16 rows")
+    if C % 128:
+        with pytest.raises(RuntimeError, match="multiple of 128"):
+            ops.quantize_columns_e4m3(torch.zeros(4, C, dtype=torch.float8_e4m3fn, device=DEV), offs_d, cnt,
+                                      x_scale=torch.zeros(4, 4, device=DEV), scale_rows=True)
+        return
+    xz = torch.nan_to_num(x, nan=0.0)  # the row quantizer reads every row
+    q8, s8 = ops.quantize_rows_e4m3(xz)
+    back = fp8.dequantize_rows(_u8(q8).cpu().view(torch.float8_e4m3fn), s8[:, :x.shape[0]].t().cpu())
+    for scale_rows in (False, True):
+        xs = s8.t().contiguous() if scale_rows else s8
+        q_t8, scale8 = ops.quantize_columns_e4m3(q8, offs_d, cnt, x_scale=xs, scale_rows=scale_rows)
+        _check_columns(q_t8, scale8, back.bfloat16().float(), offs, WGRAD_COUNTS, f"e4m3 rows ({scale_rows})")
+    with pytest.raises(RuntimeError, match="x_scale exactly when x is e4m3"):
+        ops.quantize_columns_e4m3(q8, offs_d, cnt)
+
+
+@pytest.mark.parametrize("M,N", [(128, 256), (192, 576), (64, 320)])
+def test_expert_wgrad_fp8_matches_dequantized_products(M, N):
+    """out[e] = A_e^T B_e on the e4m3 transposes (one scale per expert and column) against fp64
+    products of the dequantized operands, M and N off the 128 x 256 tile; experts without rows exact
+    zeros; the bits do not depend on the CTA count; a mismatched operand raises a named error."""
+    from megatron_mok import ops
+
+    gen = torch.Generator().manual_seed(M + N)
+    a, offs_d, cnt, offs = _padded_rows(WGRAD_COUNTS, M, gen, scale_by_row=True)
+    b, *_ = _padded_rows(WGRAD_COUNTS, N, gen)
+    a_t, a_s = ops.quantize_columns_e4m3(a, offs_d, cnt)
+    b_t, b_s = ops.quantize_columns_e4m3(b, offs_d, cnt)
+    first = None
+    for ctas in (0, 1, 5, 77):
+        out = torch.full((len(WGRAD_COUNTS), M, N), float("nan"), dtype=torch.bfloat16, device=DEV)
+        ops.expert_wgrad_fp8(a_t, a_s, b_t, b_s, offs_d, cnt, out, num_ctas=ctas)
+        if first is None:
+            first = out
+        else:
+            assert torch.equal(bits(out), bits(first)), f"bits depend on the CTA count ({ctas})"
+    for e, c in enumerate(WGRAD_COUNTS):
+        if c == 0:
+            assert bool((first[e] == 0).all()), f"expert {e} without rows: not exact zeros"
+            continue
+        da = a_t[:, offs[e]:offs[e] + c].double() * a_s[e, :, None].double()
+        db = b_t[:, offs[e]:offs[e] + c].double() * b_s[e, :, None].double()
+        ref = da @ db.t()
+        assert rel_err(first[e], ref) < 1e-2, (e, rel_err(first[e], ref))
+        # and the operands themselves are e4m3-close to the bf16 rows
+        assert rel_err(ref, a[offs[e]:offs[e] + c].double().t() @ b[offs[e]:offs[e] + c].double()) < 6e-2, e
+    out = torch.empty((len(WGRAD_COUNTS), M, N), dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        ops.expert_wgrad_fp8(a_t, a_s[:, :8].contiguous(), b_t, b_s, offs_d, cnt, out)
+    with pytest.raises(RuntimeError, match="share one token layout"):
+        ops.expert_wgrad_fp8(a_t, a_s, b_t[:, :64], b_s, offs_d, cnt, out)
+    with pytest.raises(RuntimeError, match="out must be"):
+        ops.expert_wgrad_fp8(a_t, a_s, b_t, b_s, offs_d, cnt, out[:, :, :8])
+
+
+@pytest.mark.parametrize("path,fp8_dgrad,fp8_wgrad", [("staged", True, True), ("staged", False, True),
+                                                    ("staged", True, False), ("mega", True, True)])
+def test_fp8_forward_cuda_graph_and_backward(path, fp8_dgrad, fp8_wgrad):
     """Schedule + fp8 forward (either path) captured in a CUDA graph (no host sync) replays the eager bits; the
-    backward on the fp8 forward's context (e4m3 or bf16 dgrads) matches the reference backward on
-    the reference fp8 context (<= 1e-2 for every gradient), repeats bit for bit, and replays the
-    same bits from a CUDA graph."""
+    backward on the fp8 forward's context (e4m3 or bf16 dgrads and weight gradients) matches the
+    reference backward on the reference fp8 context (<= 1e-2 for every gradient), repeats bit for
+    bit, and replays the same bits from a CUDA graph."""
     shape = (517, 512, 384, 256, 32, 8)
-    cfg = MoKConfig(precision="fp8", fp8_dgrad=fp8_dgrad)
+    cfg = MoKConfig(precision="fp8", fp8_dgrad=fp8_dgrad, fp8_wgrad=fp8_wgrad)
     cfg, ws, top, inputs, _ = make_case(shape, "skewed", 5, DEV, cfg)
     kp = _kp()
     w8 = functional.quantize_expert_weights(inputs[2], inputs[3], transposed=fp8_dgrad)
@@ -399,7 +502,7 @@ def test_fp8_forward_cuda_graph_and_backward(path, fp8_dgrad):
     torch.cuda.synchronize()
     assert_bitwise(captured, got, "graph replay")
     # the reference backward on the reference fp8 forward's context (dequantized rows, e4m3 GEMMs' h)
-    check_close(got, fp8_reference_grads(ws, top, inputs, grad, cfg.dgrad_precision))
+    check_close(got, fp8_reference_grads(ws, top, inputs, grad, cfg.dgrad_precision, cfg.wgrad_precision))
     ws.check_errors(blocking=True)
 
 
