@@ -28,7 +28,6 @@
 #pragma once
 
 #include <algorithm>
-#include <type_traits>
 
 #include "expert_gemm.cuh"
 
@@ -252,13 +251,14 @@ struct Unscaled {
   struct Slice {
     __device__ __forceinline__ float operator()(int, int, float v) const { return v; }
   };
-  __device__ __forceinline__ void stage(float*) const {}
-  __device__ __forceinline__ Slice slice(const float*, int) const { return {}; }
+  __device__ __forceinline__ void stage() const {}
+  __device__ __forceinline__ Slice slice(int) const { return {}; }
 };
 
 struct RowColumnScales {
   float row[2];  // rows 16 w + lane / 4 (+ 8)
   float col[2];  // columns tid and tid + 128 of the task (0 past N)
+  float* shared;  // the warpgroup's 256 column scales in shared memory
   struct Slice {
     float row[2];
     float2 col[8];  // columns 8 j + 2 (lane % 4) (+ 1) of the slice
@@ -267,12 +267,12 @@ struct RowColumnScales {
       return v * row[i / 2] * (i % 2 ? col[j].y : col[j].x);
     }
   };
-  __device__ __forceinline__ void stage(float* shared) const {
+  __device__ __forceinline__ void stage() const {
     const int tid = threadIdx.x % 128;
     shared[tid] = col[0];
     shared[tid + 128] = col[1];
   }
-  __device__ __forceinline__ Slice slice(const float* shared, int sl) const {
+  __device__ __forceinline__ Slice slice(int sl) const {
     Slice s{{row[0], row[1]}, {}};
     const int q2 = 2 * (threadIdx.x % 4);
 #pragma unroll
@@ -281,7 +281,8 @@ struct RowColumnScales {
   }
 };
 
-__device__ __forceinline__ RowColumnScales row_column_scales(const Params& p, const float* a_scale,
+template <class Ring>
+__device__ __forceinline__ RowColumnScales row_column_scales(const Params& p, const Ring& sm, const float* a_scale,
                                                              const float* b_scale, const Task& t, int cw) {
   const int tid = threadIdx.x % 128;
   const int r0 = t.mb * WM + cw * 64 + 16 * (tid / 32) + (tid % 32) / 4;
@@ -289,7 +290,8 @@ __device__ __forceinline__ RowColumnScales row_column_scales(const Params& p, co
   const float* sb = b_scale + static_cast<int64_t>(t.seg) * p.N;
   const int c0 = t.nb * WN + tid;
   return RowColumnScales{{r0 < p.M ? __ldg(sa + r0) : 0.f, r0 + 8 < p.M ? __ldg(sa + r0 + 8) : 0.f},
-                         {c0 < p.N ? __ldg(sb + c0) : 0.f, c0 + 128 < p.N ? __ldg(sb + c0 + 128) : 0.f}};
+                         {c0 < p.N ? __ldg(sb + c0) : 0.f, c0 + 128 < p.N ? __ldg(sb + c0 + 128) : 0.f},
+                         sm.col_scales(cw)};
 }
 
 constexpr int kBoxBytes = 64 * 128;  // a [64 rows][64 columns] bf16 box of the TMA-store epilogues
@@ -332,15 +334,13 @@ __device__ __forceinline__ void store_task_tma(const Params& p, const Ring& sm, 
   const int w = tid / 32, lane = tid % 32;
   const int bar = 2 + cw;
   const uint32_t boxes = smem_u32(sm.out(cw));
-  float* col_scales = nullptr;  // the e4m3 kernel's (the megakernel's ring has none)
-  if constexpr (!std::is_same_v<Scale, Unscaled>) col_scales = sm.col_scales(cw);
-  scale.stage(col_scales);  // the previous task's slices were read before its closing barrier
+  scale.stage();  // the previous task's slices were read before its closing barrier
   if (tid == 0) bulk_wait_read_all();  // TMA has read the previous task's boxes
   warpgroup_bar_sync(bar);
   const bool zero = k_rows(p, t.seg) == 0;  // an expert without rows: exact zeros, the accumulators unread
 #pragma unroll
   for (int sl = 0; sl < WN / 64; ++sl)
-    stage_box(boxes + sl * kBoxBytes, acc, sl, w, lane, zero, scale.slice(col_scales, sl));
+    stage_box(boxes + sl * kBoxBytes, acc, sl, w, lane, zero, scale.slice(sl));
   fence_proxy_async_shared();
   warpgroup_bar_sync(bar);
   if (tid == 0) {
