@@ -961,12 +961,11 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
                 shared = shared_backward()
 
     # fp8 weight gradients: dy and dh transposed on the side stream once they exist (late8[name]:
-    # the transpose, its scales and an event; None: on this stream before their GEMMs)
+    # the transpose, its scales and an event; absent: on this stream before their GEMMs)
     late8 = {}
 
     def transpose_late(name, t):
         if side is None or not _wgrad8_side():
-            late8[name] = None
             return
         side.wait_event(_mark(True))
         with torch.cuda.stream(side):
@@ -974,7 +973,7 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
         t.record_stream(side)
 
     def late_operand(name, t):
-        if late8.get(name) is None:
+        if name not in late8:
             return ops.quantize_columns_e4m3(t, offsets, counts)
         q_t, scale, ready = late8.pop(name)
         main.wait_event(ready)

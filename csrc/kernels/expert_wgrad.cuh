@@ -28,6 +28,7 @@
 #pragma once
 
 #include <algorithm>
+#include <type_traits>
 
 #include "expert_gemm.cuh"
 
@@ -281,17 +282,23 @@ struct RowColumnScales {
   }
 };
 
-template <class Ring>
-__device__ __forceinline__ RowColumnScales row_column_scales(const Params& p, const Ring& sm, const float* a_scale,
-                                                             const float* b_scale, const Task& t, int cw) {
-  const int tid = threadIdx.x % 128;
-  const int r0 = t.mb * WM + cw * 64 + 16 * (tid / 32) + (tid % 32) / 4;
-  const float* sa = a_scale + static_cast<int64_t>(t.seg) * p.M;
-  const float* sb = b_scale + static_cast<int64_t>(t.seg) * p.N;
-  const int c0 = t.nb * WN + tid;
-  return RowColumnScales{{r0 < p.M ? __ldg(sa + r0) : 0.f, r0 + 8 < p.M ? __ldg(sa + r0 + 8) : 0.f},
-                         {c0 < p.N ? __ldg(sb + c0) : 0.f, c0 + 128 < p.N ? __ldg(sb + c0 + 128) : 0.f},
-                         sm.col_scales(cw)};
+// The epilogue's scales of task t for warpgroup cw: Unscaled (bf16), or the row and column scales
+// (e4m3), whose loads are issued here, before the task's MMA.
+template <class Ops, class Ring>
+__device__ __forceinline__ auto task_scales(const Params& p, const Ring& sm, const float* a_scale,
+                                            const float* b_scale, const Task& t, int cw) {
+  if constexpr (std::is_same_v<Ops, Bf16Operands>) {
+    return Unscaled{};
+  } else {
+    const int tid = threadIdx.x % 128;
+    const int r0 = t.mb * WM + cw * 64 + 16 * (tid / 32) + (tid % 32) / 4;
+    const float* sa = a_scale + static_cast<int64_t>(t.seg) * p.M;
+    const float* sb = b_scale + static_cast<int64_t>(t.seg) * p.N;
+    const int c0 = t.nb * WN + tid;
+    return RowColumnScales{{r0 < p.M ? __ldg(sa + r0) : 0.f, r0 + 8 < p.M ? __ldg(sa + r0 + 8) : 0.f},
+                           {c0 < p.N ? __ldg(sb + c0) : 0.f, c0 + 128 < p.N ? __ldg(sb + c0 + 128) : 0.f},
+                           sm.col_scales(cw)};
+  }
 }
 
 constexpr int kBoxBytes = 64 * 128;  // a [64 rows][64 columns] bf16 box of the TMA-store epilogues
@@ -453,7 +460,6 @@ inline const char* make_operand_maps(CUtensorMap* tmA, CUtensorMap* tmB, const v
   return make_tmap_bf16_2d(tmB, b, std::max<int64_t>(b_rows, 1), N, N, BK);
 }
 
-
 // expert_wgrad_fp8's operands [rows, ld] e4m3 (rows = M or N, tokens contiguous) in boxes of 64
 // rows x 128 tokens (K-major).
 inline const char* make_e4m3_operand_maps(CUtensorMap* tmA, CUtensorMap* tmB, const void* a_t, int M,
@@ -461,5 +467,6 @@ inline const char* make_e4m3_operand_maps(CUtensorMap* tmA, CUtensorMap* tmB, co
   if (const char* m = make_tmap_e4m3_2d(tmA, a_t, M, ld, 64)) return m;
   return make_tmap_e4m3_2d(tmB, b_t, N, ld, 64);
 }
+
 }  // namespace xwgrad
 }  // namespace mok

@@ -185,15 +185,11 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
         float acc[128];
         uint32_t it = 0;
         for (int u = blockIdx.x; u < tasks; u += gridDim.x) {
-          if constexpr (kE4m3) {  // the scales' loads are in flight during the MMA
-            const auto scales = xwgrad::row_column_scales(p, sm, a_scale, b_scale, xwgrad::decode(p, u), cw);
-            xwgrad::mma_task<false, Ops>(p, sm, cw, xwgrad::decode(p, u), acc, it);
-            xwgrad::store_task_tma(p, sm, &tmOut, xwgrad::decode(p, u), cw, acc, scales);
-            continue;
-          }
+          // e4m3: the scales' loads are in flight during the MMA
+          const auto scales = xwgrad::task_scales<Ops>(p, sm, a_scale, b_scale, xwgrad::decode(p, u), cw);
           xwgrad::mma_task<false, Ops>(p, sm, cw, xwgrad::decode(p, u), acc, it);
           if constexpr (kTmaStore)
-            xwgrad::store_task_tma(p, sm, &tmOut, xwgrad::decode(p, u), cw, acc);
+            xwgrad::store_task_tma(p, sm, &tmOut, xwgrad::decode(p, u), cw, acc, scales);
           else
             xwgrad::store_task_direct(p, sm, xwgrad::decode(p, u), cw, acc);
         }

@@ -196,8 +196,8 @@ const char* launch_expert_wgrad_fp8(const void* a_t, int M, const float* a_scale
 // x [rows, C] (bf16, or e4m3 with scales at x_scale[sl(row, c / 128)]) -> its transpose q_t [C, ld]
 // in e4m3, one scale per (expert, column): scale[e][c] = max(amax, 1e-4) / 448 over expert e's real
 // rows (offsets[e] .. + counts[e]), q_t[c][r] = e4m3(x[r][c] * 448 / max(amax, 1e-4)). Columns
-// offsets[e] .. + ceil64(counts[e]) of q_t are written (rows past the count as zeros; offsets
-// multiples of 64, inside ld).
+// offsets[e] .. + ceil128(counts[e]) of q_t, clipped to the segment, are written (rows past the
+// count as zeros; offsets multiples of 16, inside ld).
 const char* launch_quantize_columns_e4m3(const void* x, bool x_e4m3, const float* x_scale, int64_t scale_row_stride,
                                          int64_t scale_kb_stride, int64_t rows, int C, const int* offsets,
                                          const int* counts, int nseg, void* q_t, int64_t ld, float* scale,
