@@ -146,6 +146,28 @@ void dispatch(const Tensor& row_src_rank, const Tensor& row_src_slot, const Tens
                              static_cast<int>(topk), static_cast<int>(num_ctas), current_stream()));
 }
 
+void dispatch_e4m3(const Tensor& row_src_rank, const Tensor& row_src_slot, const Tensor& expert_offsets,
+                   Tensor& q_routed, Tensor& scale_t, std::vector<int64_t> peer_q, std::vector<int64_t> peer_s,
+                   int64_t scale_pitch, int64_t topk, int64_t num_ctas) {
+  for (auto* t : {&row_src_rank, &row_src_slot, &expert_offsets}) check_cuda(*t, "schedule tensor", at::kInt);
+  check_cuda(q_routed, "q_routed", at::kFloat8_e4m3fn);
+  check_cuda(scale_t, "scale_t", at::kFloat);
+  const int64_t cap = row_src_rank.numel();
+  TORCH_CHECK(q_routed.dim() == 2 && q_routed.size(0) == cap, "megatron_mok: q_routed must be [capacity, H]");
+  const int64_t H = q_routed.size(1);
+  MOK_CHECK(scale_t.dim() == 2 && scale_t.size(0) == H / 128 && scale_t.size(1) >= cap,
+            "megatron_mok: scale_t must be [H / 128 = %lld, >= capacity = %lld]", static_cast<long long>(H / 128),
+            static_cast<long long>(cap));
+  TORCH_CHECK(peer_q.size() == peer_s.size(), "megatron_mok: peer_q and peer_s must list the same ranks");
+  c10::cuda::CUDAGuard guard(q_routed.device());
+  check(mok::launch_dispatch_e4m3(row_src_rank.data_ptr<int>(), row_src_slot.data_ptr<int>(),
+                                  expert_offsets.data_ptr<int>(), static_cast<int>(expert_offsets.numel() - 1),
+                                  static_cast<int>(cap), peers(peer_q, "peer_q"), q_routed.data_ptr(),
+                                  static_cast<int>(H), peers(peer_s, "peer_s"), static_cast<int>(scale_pitch),
+                                  scale_t.data_ptr<float>(), scale_t.size(1), static_cast<int>(topk),
+                                  static_cast<int>(num_ctas), current_stream()));
+}
+
 void grouped_gemm(const Tensor& a, const Tensor& b, const std::optional<Tensor>& seg_offsets,
                   const std::optional<Tensor>& seg_counts, Tensor& out, const std::optional<Tensor>& pre_out,
                   bool swiglu, int64_t num_ctas) {
@@ -198,7 +220,8 @@ void expert_gemm_fp8(const Tensor& x8, const Tensor& x_scale, const Tensor& w8, 
                      const Tensor& seg_offsets, const Tensor& seg_counts, Tensor& out,
                      const std::optional<Tensor>& pre_out, bool swiglu, int64_t num_ctas,
                      const std::optional<Tensor>& h, const std::optional<Tensor>& push_rank,
-                     const std::optional<Tensor>& push_slot, std::vector<int64_t> push_peers) {
+                     const std::optional<Tensor>& push_slot, std::vector<int64_t> push_peers,
+                     const std::optional<Tensor>& dh_q, const std::optional<Tensor>& dh_q_scale) {
   check_cuda(x8, "x8", at::kFloat8_e4m3fn);
   check_cuda(w8, "w8", at::kFloat8_e4m3fn);
   check_cuda(x_scale, "x_scale", at::kFloat);
@@ -248,6 +271,17 @@ void expert_gemm_fp8(const Tensor& x8, const Tensor& x_scale, const Tensor& w8, 
                 "megatron_mok: expert_gemm_fp8 push_rank and push_slot need one entry per row");
     bufs = peers(push_peers, "push_peers");
   }
+  TORCH_CHECK(dh_q.has_value() == dh_q_scale.has_value(), "megatron_mok: expert_gemm_fp8 dh_q and dh_q_scale go together");
+  if (dh_q.has_value()) {
+    TORCH_CHECK(h.has_value(), "megatron_mok: expert_gemm_fp8 dh_q (dh's e4m3 copy) needs h (the SwiGLU backward)");
+    check_cuda(*dh_q, "dh_q", at::kFloat8_e4m3fn);
+    TORCH_CHECK(dh_q->sizes() == out.sizes(), "megatron_mok: expert_gemm_fp8 dh_q must be [rows, 2 N] like out (dh)");
+    check_cuda(*dh_q_scale, "dh_q_scale", at::kFloat);
+    MOK_CHECK(dh_q_scale->dim() == 2 && dh_q_scale->size(0) == 2 * N / 128 && dh_q_scale->size(1) >= x8.size(0) &&
+                  dh_q_scale->size(1) % 4 == 0,
+              "megatron_mok: expert_gemm_fp8 dh_q_scale must be [2 N / 128 = %lld, ld >= rows = %lld], ld a multiple of 4",
+              static_cast<long long>(2 * N / 128), static_cast<long long>(x8.size(0)));
+  }
   c10::cuda::CUDAGuard guard(x8.device());
   check(mok::launch_expert_gemm_fp8(swiglu, x8.data_ptr(), x8.size(0), static_cast<int>(K), x_scale.data_ptr<float>(),
                                     static_cast<int>(x_scale.size(1)), w8.data_ptr(), w_scale.data_ptr<float>(),
@@ -255,7 +289,10 @@ void expert_gemm_fp8(const Tensor& x8, const Tensor& x_scale, const Tensor& w8, 
                                     out.data_ptr(), pre, static_cast<int>(N), hp,
                                     push_rank.has_value() ? push_rank->data_ptr<int>() : nullptr,
                                     push_slot.has_value() ? push_slot->data_ptr<int>() : nullptr,
-                                    push_rank.has_value() ? &bufs : nullptr, static_cast<int>(num_ctas),
+                                    push_rank.has_value() ? &bufs : nullptr,
+                                    dh_q.has_value() ? dh_q->data_ptr() : nullptr,
+                                    dh_q.has_value() ? dh_q_scale->data_ptr<float>() : nullptr,
+                                    dh_q.has_value() ? dh_q_scale->size(1) : 0, static_cast<int>(num_ctas),
                                     current_stream()));
 }
 
@@ -958,12 +995,15 @@ TORCH_LIBRARY(megatron_mok, m) {
       "dispatch(Tensor row_src_rank, Tensor row_src_slot, Tensor expert_offsets, Tensor(a!) x_routed, int[] peer_x, "
       "int topk, int num_ctas) -> ()");
   m.def(
+      "dispatch_e4m3(Tensor row_src_rank, Tensor row_src_slot, Tensor expert_offsets, Tensor(a!) q_routed, "
+      "Tensor(b!) scale_t, int[] peer_q, int[] peer_s, int scale_pitch, int topk, int num_ctas) -> ()");
+  m.def(
       "grouped_gemm(Tensor a, Tensor b, Tensor? seg_offsets, Tensor? seg_counts, Tensor(a!) out, Tensor(b!)? pre_out, "
       "bool swiglu, int num_ctas) -> ()");
   m.def(
       "expert_gemm_fp8(Tensor x8, Tensor x_scale, Tensor w8, Tensor w_scale, Tensor seg_offsets, Tensor seg_counts, "
       "Tensor(a!) out, Tensor(b!)? pre_out, bool swiglu, int num_ctas=0, Tensor? h=None, Tensor? push_rank=None, "
-      "Tensor? push_slot=None, int[] push_peers=[]) -> ()");
+      "Tensor? push_slot=None, int[] push_peers=[], Tensor(c!)? dh_q=None, Tensor(d!)? dh_q_scale=None) -> ()");
   m.def(
       "quantize_rows_e4m3(Tensor x, Tensor(a!) q, Tensor(b!) scale, Tensor? rows_end=None, bool scale_rows=False, "
       "bool gate_up_pairs=False) -> ()");
@@ -1030,6 +1070,7 @@ TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("barrier_open", &barrier_open);
   m.impl("build_schedule", &build_schedule);
   m.impl("dispatch", &dispatch);
+  m.impl("dispatch_e4m3", &dispatch_e4m3);
   m.impl("grouped_gemm", &grouped_gemm);
   m.impl("expert_gemm_fp8", &expert_gemm_fp8);
   m.impl("quantize_rows_e4m3", &quantize_rows_e4m3);

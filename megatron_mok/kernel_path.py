@@ -98,7 +98,9 @@ class KernelContext:
     h: torch.Tensor | None = None  # [cap, 2I] [x_routed @ gate^T | x_routed @ up^T]
     shared_h: torch.Tensor | None = None  # [T, 2Is]
     x_e4m3: torch.Tensor | None = None  # fp8: [cap, H] the dispatched rows in e4m3
-    x_scale: torch.Tensor | None = None  # fp8: [cap, >= H / 128] their scales, one row per routed row
+    # fp8: [>= cap, H / 128] their scales, a row per routed row: the transposed view of the GEMMs'
+    # [H / 128, ld] layout
+    x_scale: torch.Tensor | None = None
 
     def nbytes(self) -> int:
         """Bytes this context holds (the activation memory the layer keeps for its backward)."""
@@ -248,17 +250,18 @@ def _publish_fp8(cfg, ws, x):
 def _dispatch_fp8(cfg, ws, sched, x, comm_ctas, during_dispatch=None):
     """Quantized rows published (``_publish_fp8``), then pull the e4m3 rows and their scale rows:
     half the bytes of the bf16 dispatch, and T rows to quantize instead of the routed ones. Returns
-    (x_e4m3 [cap, H], x_scale [cap, pitch] fp32)."""
+    (x_e4m3 [cap, H], x_scale [H / 128, ld] fp32: the layout ``expert_gemm_fp8`` reads, written by
+    the dispatch itself)."""
     H, k, cap = ws.hidden, ws.topk, sched.capacity
     q_ptrs, s_ptrs, pitch = _publish_fp8(cfg, ws, x)
     started = _mark(during_dispatch)
-    q_routed = torch.empty((cap, H // 2), dtype=torch.bfloat16, device=ws.device)
-    s_routed = torch.empty((cap, 2 * pitch), dtype=torch.bfloat16, device=ws.device)
-    ops.dispatch(sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, q_routed, q_ptrs, k, comm_ctas)
-    ops.dispatch(sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, s_routed, s_ptrs, k, comm_ctas)
+    q_routed = torch.empty((cap, H), dtype=torch.float8_e4m3fn, device=ws.device)
+    s_routed = torch.empty((H // fp8.BLOCK, -(-cap // 4) * 4), dtype=torch.float32, device=ws.device)
+    ops.dispatch_e4m3(sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, q_routed, s_routed, q_ptrs, s_ptrs,
+                      pitch, k, comm_ctas)
     if during_dispatch is not None:
         during_dispatch(started)
-    return q_routed.view(torch.float8_e4m3fn), s_routed.view(torch.float32)
+    return q_routed, s_routed
 
 
 def quantize_expert_weights(fc1, fc2, transposed: bool = False, shared_fc1=None,
@@ -295,11 +298,14 @@ def _routed_dgrads_fp8(w8, dyq, dys, h, offsets, counts, dh, dx_rows, push=None,
     dx_rows = dh @ fc1[e] from dh quantized in gate/up pair blocks against fc1's transposed copy
     (rows up to the last segment's end). push = (row_src_rank, row_src_slot, peer slot buffers): the
     second GEMM's epilogue also stores the dx rows into their source slots (``bwd_push``'s stores).
-    dh_done: called once dh is written (before the second GEMM's launch)."""
-    ops.expert_gemm_fp8(dyq, dys, w8.fc2_t.q, w8.fc2_t.scale, offsets, counts, dh, False, h=h)
+    dh_done: called once dh is written (before the second GEMM's launch). dh's e4m3 copy comes from
+    the first GEMM's epilogue (no quantizing pass between the two on the critical path)."""
+    rows = dh.shape[0]
+    dhq = torch.empty(dh.shape, dtype=torch.float8_e4m3fn, device=dh.device)
+    dhs = torch.empty((dh.shape[1] // fp8.BLOCK, -(-rows // 4) * 4), dtype=torch.float32, device=dh.device)
+    ops.expert_gemm_fp8(dyq, dys, w8.fc2_t.q, w8.fc2_t.scale, offsets, counts, dh, False, h=h, dh_e4m3=(dhq, dhs))
     if dh_done is not None:
         dh_done()
-    dhq, dhs = ops.quantize_rows_e4m3(dh, offsets[-1:], gate_up_pairs=True)
     ops.expert_gemm_fp8(dhq, dhs, w8.fc1_t.q, w8.fc1_t.scale, offsets, counts, dx_rows, False, push=push)
 
 
@@ -313,11 +319,10 @@ def _mark(wanted) -> torch.cuda.Event | None:
 
 
 def _routed_experts_fp8(sched, x_e4m3, x_scale, w8, act, h, y_routed, gemm_ctas, push=None) -> None:
-    """The routed gate/up and down GEMMs on block-scaled e4m3 operands (the dispatched e4m3 rows;
-    the SwiGLU output quantized up to the last segment's end); outputs bf16. push (the peers'
+    """The routed gate/up and down GEMMs on block-scaled e4m3 operands (the dispatched e4m3 rows and
+    their [H / 128, ld] scales; the SwiGLU output quantized up to the last segment's end); outputs bf16. push (the peers'
     combine buffers): the down GEMM's epilogue also does the combine's stores."""
-    xs = _scales_by_block(x_scale, x_e4m3.shape[1] // fp8.BLOCK)
-    ops.expert_gemm_fp8(x_e4m3, xs, w8.fc1.q, w8.fc1.scale, sched.expert_offsets, sched.expert_counts, act, True,
+    ops.expert_gemm_fp8(x_e4m3, x_scale, w8.fc1.q, w8.fc1.scale, sched.expert_offsets, sched.expert_counts, act, True,
                         pre_out=h, num_ctas=gemm_ctas)
     aq, as_ = ops.quantize_rows_e4m3(act, sched.expert_offsets[-1:])
     ops.expert_gemm_fp8(aq, as_, w8.fc2.q, w8.fc2.scale, sched.expert_offsets, sched.expert_counts, y_routed, False,
@@ -449,7 +454,7 @@ def _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1, *, keep_gate_
     if quant:
         _routed_experts_fp8(sched, x_e4m3, x_scale, fp8_weights or quantize_expert_weights(fc1, fc2), act, h,
                             y_routed, gemm_ctas, push)
-        return KernelContext(None, act, y_routed, shared_act, h, shared_h, x_e4m3, x_scale)
+        return KernelContext(None, act, y_routed, shared_act, h, shared_h, x_e4m3, x_scale.t())
     ops.grouped_gemm(x_routed, fc1.contiguous(), sched.expert_offsets, act, True, gemm_ctas, sched.expert_counts,
                      pre_out=h)
     ops.grouped_gemm(act, fc2.contiguous(), sched.expert_offsets, y_routed, False, gemm_ctas, sched.expert_counts)

@@ -60,7 +60,8 @@ def _register_fakes() -> None:
     def _noop(*args, **kwargs):
         return None
 
-    for name in ("barrier", "barrier_open", "publish_barrier", "build_schedule", "dispatch", "grouped_gemm",
+    for name in ("barrier", "barrier_open", "publish_barrier", "build_schedule", "dispatch", "dispatch_e4m3",
+                 "grouped_gemm",
                  "combine", "moe_epilogue", "moe_epilogue_wait", "megakernel", "megakernel_timeline",
                  "bwd_publish", "bwd_pull",
                  "bwd_tight_map", "gather_rows", "swiglu_backward", "expert_dgrad", "expert_wgrad", "zero_empty_segments", "bwd_push",
@@ -117,6 +118,15 @@ def build_schedule(top_experts, routing_buf, state, errors, top_all, row_src_ran
 def dispatch(row_src_rank, row_src_slot, expert_offsets, x_routed, peer_x: list[int], topk: int,
              num_ctas: int = 0) -> None:
     _ops().dispatch(row_src_rank, row_src_slot, expert_offsets, x_routed, peer_x, topk, num_ctas)
+
+
+def dispatch_e4m3(row_src_rank, row_src_slot, expert_offsets, q_routed, scale_t, peer_q: list[int],
+                  peer_s: list[int], scale_pitch: int, topk: int, num_ctas: int = 0) -> None:
+    """The e4m3 dispatch: the routed rows ``q_routed`` [cap, H] e4m3 from the peers' [T, H] rows, and
+    their scales from the peers' [T, scale_pitch] fp32 rows into ``scale_t`` [H / 128, >= cap] (the
+    layout ``expert_gemm_fp8`` reads). Padding rows get zero rows and zero scales."""
+    _ops().dispatch_e4m3(row_src_rank, row_src_slot, expert_offsets, q_routed, scale_t, peer_q, peer_s, scale_pitch,
+                         topk, num_ctas)
 
 
 def grouped_gemm(a, b, seg_offsets, out, swiglu: bool, num_ctas: int = 0, seg_counts=None, pre_out=None) -> None:
@@ -177,7 +187,7 @@ def quantize_weight_e4m3(w: torch.Tensor, swiglu: bool, transposed: bool = False
 
 
 def expert_gemm_fp8(x8, x_scale, w8, w_scale, seg_offsets, seg_counts, out, swiglu: bool, pre_out=None,
-                    num_ctas: int = 0, h=None, push=None) -> None:
+                    num_ctas: int = 0, h=None, push=None, dh_e4m3=None) -> None:
     """The routed GEMM of ``grouped_gemm`` (segments with real-row counts) on e4m3 operands:
     x8/x_scale from ``quantize_rows_e4m3``, w8/w_scale from ``fp8.quantize_weight`` (its ``q`` and
     ``scale``). out (and pre_out) bf16, as ``grouped_gemm`` writes them. h (the backward's
@@ -188,10 +198,14 @@ def expert_gemm_fp8(x8, x_scale, w8, w_scale, seg_offsets, seg_counts, out, swig
     layout (same bits; other values raise): ``rows`` (<= 128 token rows on wgmma's M side against
     two 128-row weight tiles), ``columns`` (the weights on the M side, up to 256 token rows;
     ``MOK_FP8_TASK_ROWS=128``: 128), ``pairs`` (columns in 2-CTA clusters sharing the token rows by
-    multicast) or ``auto`` (the default: pairs for SwiGLU, rows otherwise)."""
+    multicast) or ``auto`` (the default: pairs for SwiGLU, rows otherwise).
+    dh_e4m3 = (q [rows, 2 N] e4m3, scale [2 N / 128, ld] fp32) (with h): dh's e4m3 copy as well, the
+    bits of ``quantize_rows_e4m3(dh, offsets[-1:], gate_up_pairs=True)``, written by the row tasks'
+    epilogue (the other layouts quantize after the GEMM)."""
     rank_of, slot_of, peers = push if push is not None else (None, None, [])
+    dh_q, dh_q_scale = dh_e4m3 if dh_e4m3 is not None else (None, None)
     _ops().expert_gemm_fp8(x8, x_scale, w8, w_scale, seg_offsets, seg_counts, out, pre_out, swiglu, num_ctas, h,
-                           rank_of, slot_of, peers)
+                           rank_of, slot_of, peers, dh_q, dh_q_scale)
 
 
 def combine(y, row_src_rank, row_src_slot, expert_offsets, state, peer_comb: list[int], num_ctas: int = 0) -> None:

@@ -34,6 +34,7 @@
 
 #include "common.cuh"
 #include "grouped_gemm.cuh"  // ring_wait, release_stage
+#include "e4m3.cuh"
 #include "swiglu.cuh"
 
 namespace mok {
@@ -526,29 +527,74 @@ __device__ __forceinline__ void prefetch_swiglu_bwd(const Params& p, const __nv_
   }
 }
 
+// dh's e4m3 copy for the fc1 dgrad, written by the epilogue that makes dh (expert_gemm_fp8's row
+// tasks): q [rows, 2 N] in gate/up pair blocks (block kb: gate columns 64 kb .. 64 kb + 63, then the
+// same up columns) with scale[kb * ld + row], the bits of quantize_rows_e4m3(dh, gate_up_pairs).
+// A slice of 64 columns is exactly one pair block, held 8 + 8 values a lane by 8 consecutive lanes.
+struct PairBlockE4m3 {
+  uint8_t* q = nullptr;
+  float* scale = nullptr;
+  int64_t ld = 0;
+};
+
+// Lane `piece` of the 8 that hold row r's pair block kb: dg / du as dh stores them (bf16-rounded),
+// the block's amax over the 8 lanes, then its bytes (q_row: row r of q) and (piece 0) its scale.
+// Every lane of the warp calls it (the shuffles); live: the row is real (the same for all 8).
+__device__ __forceinline__ void store_pair_block_e4m3(const PairBlockE4m3& e4, const float (&dg)[8],
+                                                      const float (&du)[8], bool live, uint8_t* q_row, int r,
+                                                      int kb, int piece) {
+  float g[8], u[8], amax = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    g[j] = __bfloat162float(__float2bfloat16_rn(dg[j]));
+    u[j] = __bfloat162float(__float2bfloat16_rn(du[j]));
+    amax = fmaxf(amax, fmaxf(fabsf(g[j]), fabsf(u[j])));
+  }
+#pragma unroll
+  for (int o = 4; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (!live) return;
+  const float2 si = e4m3::scale_and_inverse(amax);
+  uint8_t* q = q_row + kb * 128 + 8 * piece;
+  *reinterpret_cast<uint2*>(q) = e4m3::pack8(g, si.y);
+  *reinterpret_cast<uint2*>(q + 64) = e4m3::pack8(u, si.y);
+  if (piece == 0) e4.scale[static_cast<int64_t>(kb) * e4.ld + r] = si.x;
+}
+
+// kE4m3: dh's e4m3 copy too (store_pair_block_e4m3; trow must be null).
+template <bool kE4m3 = false>
 __device__ __forceinline__ void flush_swiglu_bwd(const Params& p, uint32_t stg, const __nv_bfloat16* h,
-                                                 const int* trow, int row0, int col0, int n_real, int bar) {
+                                                 const int* trow, int row0, int col0, int n_real, int bar,
+                                                 const PairBlockE4m3& e4 = {}) {
   const int64_t ld = 2 * static_cast<int64_t>(p.N);
   warpgroup_bar_sync(bar);
   for (int idx = threadIdx.x % 128; idx < 64 * 8; idx += 128) {
     const int c = idx / 8, col = col0 + 8 * (idx % 8);
-    if (c >= n_real || col >= p.N) continue;
+    const bool live = c < n_real && col < p.N;
+    if (!kE4m3 && !live) continue;  // kE4m3: every lane goes on to the shuffles
     const int r = row0 + c;
-    const int hr = trow != nullptr ? trow[r] : r;
+    const int hr = trow != nullptr && live ? trow[r] : r;
     __nv_bfloat16* dst = p.out + r * ld + col;
-    if (hr < 0) {  // no forward row behind it: a zero row, as the unfused kernel writes
+    if (!kE4m3 && hr < 0) {  // no forward row behind it: a zero row, as the unfused kernel writes
       st16(dst, make_uint4(0, 0, 0, 0));
       st16(dst + p.N, make_uint4(0, 0, 0, 0));
       continue;
     }
     float g[8], u[8], d[8], dg[8], du[8];
-    unpack8(ld16(h + hr * ld + col), g);
-    unpack8(ld16(h + hr * ld + p.N + col), u);
-    unpack8(ld_shared_v4(stg + 2 * (c * kStageStride + 8 * (idx % 8))), d);
+    if (live) {
+      unpack8(ld16(h + hr * ld + col), g);
+      unpack8(ld16(h + hr * ld + p.N + col), u);
+      unpack8(ld_shared_v4(stg + 2 * (c * kStageStride + 8 * (idx % 8))), d);
+    } else {  // kE4m3 only: zeros into the amax
+#pragma unroll
+      for (int j = 0; j < 8; ++j) g[j] = u[j] = d[j] = 0.f;
+    }
 #pragma unroll
     for (int j = 0; j < 8; ++j) swiglu_grad(g[j], u[j], d[j], dg[j], du[j]);
-    st16(dst, pack8(dg));
-    st16(dst + p.N, pack8(du));
+    if (live) {
+      st16(dst, pack8(dg));
+      st16(dst + p.N, pack8(du));
+    }
+    if constexpr (kE4m3) store_pair_block_e4m3(e4, dg, du, live, e4.q + r * ld, r, col0 / 64, idx % 8);
   }
   warpgroup_bar_sync(bar);
 }

@@ -76,6 +76,7 @@ struct Params {
   int x_scale_ld;
   const __nv_bfloat16* h;  // kSwiGLUBackward: the forward's pre-activations [rows, 2 N]
   xgemm::RowPush push;     // kPlainPush: the rows' source slots (the forward's combine)
+  xgemm::PairBlockE4m3 dh_e4m3;  // kSwiGLUBackward, row tasks (optional): dh's e4m3 copy as well
 };
 
 struct Smem {

@@ -225,6 +225,18 @@ __device__ __forceinline__ void swiglu_in_place(float (&acc)[128], int j) {
     for (int i = 0; i < 4; ++i) acc[64 * j + 8 * p + i] = swiglu(acc[64 * j + 8 * p + i], acc[64 * j + 8 * p + 4 + i]);
 }
 
+// Padding rows r0 .. r1 - 1 of dh's e4m3 copy, pair blocks kb0 and kb0 + 1 (those below K / 128):
+// zero bytes and the scale of an all-zero block, as quantize_rows_e4m3 gives the zero rows.
+__device__ __forceinline__ void zero_pair_blocks_e4m3(const xgemm::PairBlockE4m3& e4, int K, int r0, int r1,
+                                                      int kb0) {
+  const int blocks = min(2, K / 128 - kb0);
+  for (int idx = threadIdx.x % 128; idx < (r1 - r0) * 8 * blocks; idx += 128) {
+    const int r = r0 + idx / (8 * blocks), piece = idx % (8 * blocks);
+    st16(e4.q + static_cast<int64_t>(r) * K + kb0 * 128 + 16 * piece, make_uint4(0, 0, 0, 0));
+    if (piece % 8 == 0) e4.scale[static_cast<int64_t>(kb0 + piece / 8) * e4.ld + r] = e4m3::scale_and_inverse(0.f).x;
+  }
+}
+
 // The warpgroup's 64 token rows of task tk: SwiGLU (act, and pre_out's gate and up halves),
 // plain (also pushed into the rows' source slots: push), or the SwiGLU backward of plain products
 // with the forward's pre-activations h. The expert's last chunk also writes +0 into the segment's
@@ -240,7 +252,9 @@ __device__ __forceinline__ void store_task(const xgemm8::Params& p, const Smem& 
   const int tiles = tiles_of(g, tk);
   const int row0 = tk.row0 + 64 * cw, n_real = tk.n_real - 64 * cw;
   if (n_real > 0) {
-    for (int j = 0; j < tiles; ++j) {
+#pragma unroll  // constant indices into acc (the SwiGLU backward's two flush forms left it in local memory)
+    for (int j = 0; j < kTiles; ++j) {
+      if (j >= tiles) break;
       const int tile = kTiles * tk.block + j;
       if constexpr (kEpi == Epilogue::kSwiGLU) {
         // the pre-activations first (gate, then up), then the activation computed in place over
@@ -261,7 +275,10 @@ __device__ __forceinline__ void store_task(const xgemm8::Params& p, const Smem& 
           if constexpr (kEpi == Epilogue::kSwiGLUBackward) {
             xgemm::prefetch_swiglu_bwd(g, p.h, nullptr, row0, col0, n_real);
             stage_rows_plain(stg, acc, 2 * j + half, w, lane);
-            xgemm::flush_swiglu_bwd(g, stg, p.h, nullptr, row0, col0, n_real, bar);
+            if (p.dh_e4m3.q != nullptr)
+              xgemm::flush_swiglu_bwd<true>(g, stg, p.h, nullptr, row0, col0, n_real, bar, p.dh_e4m3);
+            else
+              xgemm::flush_swiglu_bwd(g, stg, p.h, nullptr, row0, col0, n_real, bar);
           } else {
             stage_rows_plain(stg, acc, 2 * j + half, w, lane);
             xgemm::flush_staging(stg, 64, g.out, g.N, row0, col0, g.N, n_real, bar,
@@ -282,6 +299,7 @@ __device__ __forceinline__ void store_task(const xgemm8::Params& p, const Smem& 
     } else if constexpr (kEpi == Epilogue::kSwiGLUBackward) {
       xgemm::zero_rows(g.out, 2 * g.N, tk.pad0, tk.pad1, tile * xgemm::WM, xgemm::WM, g.N);
       xgemm::zero_rows(g.out + g.N, 2 * g.N, tk.pad0, tk.pad1, tile * xgemm::WM, xgemm::WM, g.N);
+      if (p.dh_e4m3.q != nullptr) zero_pair_blocks_e4m3(p.dh_e4m3, 2 * g.N, tk.pad0, tk.pad1, 2 * tile);
     } else {
       xgemm::zero_rows(g.out, g.N, tk.pad0, tk.pad1, tile * xgemm::WM, xgemm::WM, g.N);
     }

@@ -73,6 +73,14 @@ const char* launch_dispatch(const int* row_src_rank, const int* row_src_slot, co
                             int capacity, const PeerPtrs& x_bufs, void* x_routed, int H, int k, int num_ctas,
                             cudaStream_t stream);
 
+// The e4m3 dispatch: routed row i <- row row_src_slot[i] / k of rank row_src_rank[i]'s q [T, H]
+// e4m3, and its H / 128 scales (that rank's s [T, scale_pitch] fp32) -> scale_t[kb * scale_ld + i],
+// the layout launch_expert_gemm_fp8 reads (scale_ld >= capacity); padding rows get zeros.
+const char* launch_dispatch_e4m3(const int* row_src_rank, const int* row_src_slot, const int* expert_offsets, int nle,
+                                 int capacity, const PeerPtrs& q_bufs, void* q_routed, int H, const PeerPtrs& s_bufs,
+                                 int scale_pitch, float* scale_t, int64_t scale_ld, int k, int num_ctas,
+                                 cudaStream_t stream);
+
 // Grouped GEMM out[r, :] = A[r, :] @ B[seg(r)]^T (bf16 in, fp32 accumulate, bf16 out), wgmma + TMA,
 // warp-specialised, persistent. Segments: seg_offsets [nseg + 1] on the device (128-aligned,
 // rows >= min(seg_offsets[nseg], a_rows) are not computed) or, when seg_offsets is null, one
@@ -94,11 +102,15 @@ const char* launch_grouped_gemm(bool swiglu, const void* A, int64_t a_rows, int 
 // products with the forward's pre-activations h [rows, 2 N] (launch_expert_dgrad's epilogue).
 // push_rank (optional, plain weights only): each real row also goes to slot push_slot[row] of rank
 // push_rank[row]'s buffer push_bufs (the forward's combine, launch_combine's stores, in the epilogue).
+// dh_q (optional, with h): dh's e4m3 copy as well, the bits of launch_quantize_rows_e4m3(dh,
+// gate_up_pairs) for rows below seg_offsets[nseg]: dh_q [rows, 2 N] with dh_q_scale
+// [2 N / 128][dh_q_ld]; the row tasks write it from their epilogue, the other layouts quantize after.
 const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, int K, const float* x_scale,
                                    int x_scale_ld, const void* w8, const float* w_scale, int nseg,
                                    const int* seg_offsets, const int* seg_counts, void* out, void* pre_out, int N,
                                    const void* h, const int* push_rank, const int* push_slot,
-                                   const PeerPtrs* push_bufs, int num_ctas, cudaStream_t stream);
+                                   const PeerPtrs* push_bufs, void* dh_q, float* dh_q_scale, int64_t dh_q_ld,
+                                   int num_ctas, cudaStream_t stream);
 
 // x [rows, K] bf16 -> q [rows, K] e4m3 with one scale per (row, 128 columns) at
 // scale[row * scale_row_stride + kb * scale_kb_stride] (the GEMM's [kb][ld]: strides 1, ld; the

@@ -60,6 +60,42 @@ def test_quantize_rows_matches_reference_bits(rows, K):
     assert torch.isnan(back[n:].float()).all(), "rows past rows_end were written"
 
 
+def test_dispatch_e4m3_moves_rows_and_transposes_scales():
+    """ops.dispatch_e4m3 at one rank: routed row i gets token row_src_slot[i] / k's e4m3 bytes and
+    its H / 128 scales in column i of scale_t (the GEMM's layout); padding rows get zeros; rows past
+    the last segment stay untouched; shapes that do not fit are named errors."""
+    from megatron_mok import ops
+
+    gen = torch.Generator().manual_seed(5)
+    T, H, k, pitch = 37, 384, 2, 4  # pitch: H / 128 rounded up to 4, as _x_e4m3_buffers makes it
+    q = torch.randint(0, 256, (T, H), generator=gen, dtype=torch.uint8).to(DEV)
+    s = torch.randn(T, pitch, generator=gen).to(DEV)
+    offsets = torch.tensor([0, 48, 48, 96], dtype=torch.int32, device=DEV)  # the middle expert: no rows
+    cap = 100
+    src_rank = torch.full((cap,), -1, dtype=torch.int32)
+    src_slot = torch.full((cap,), -1, dtype=torch.int32)
+    real = list(range(0, 45)) + list(range(48, 90))
+    slots = torch.randint(0, T * k, (len(real),), generator=gen, dtype=torch.int32)
+    src_rank[real], src_slot[real] = 0, slots
+    src_rank, src_slot = src_rank.to(DEV), src_slot.to(DEV)
+    q_routed = torch.full((cap, H), 0x7F, dtype=torch.uint8, device=DEV).view(torch.float8_e4m3fn)
+    scale_t = torch.full((H // 128, 104), float("nan"), device=DEV)
+    ops.dispatch_e4m3(src_rank, src_slot, offsets, q_routed, scale_t, [q.data_ptr()], [s.data_ptr()], pitch, k, 3)
+    torch.cuda.synchronize()
+    tok = (src_slot[real] // k).long()
+    assert torch.equal(_u8(q_routed)[real], q[tok]), "routed rows differ from their tokens' rows"
+    assert torch.equal(scale_t[:, real], s[tok, :H // 128].t()), "routed scales differ from their tokens' scales"
+    pad = [r for r in range(96) if r not in real]
+    assert bool((_u8(q_routed)[pad] == 0).all()) and bool((scale_t[:, pad] == 0).all()), "padding rows not zeroed"
+    assert bool((_u8(q_routed)[96:] == 0x7F).all()) and bool(scale_t[:, 96:].isnan().all()), \
+        "rows past the last segment were written"
+    with pytest.raises(RuntimeError, match="scale_t must be"):
+        ops.dispatch_e4m3(src_rank, src_slot, offsets, q_routed, torch.empty(H // 128, 99, device=DEV),
+                          [q.data_ptr()], [s.data_ptr()], pitch, k, 0)
+    with pytest.raises(RuntimeError, match="scale pitch"):
+        ops.dispatch_e4m3(src_rank, src_slot, offsets, q_routed, scale_t, [q.data_ptr()], [s.data_ptr()], 2, k, 0)
+
+
 @pytest.mark.parametrize("swiglu", [True, False])
 @pytest.mark.parametrize("nseg,n,K", [(3, 192, 256), (2, 320, 7168), (1, 8, 128)])
 def test_quantize_weight_matches_reference_bits(swiglu, nseg, n, K):
@@ -225,12 +261,30 @@ def test_expert_gemm_fp8_dgrads_match_dequantized_products(H, I, counts, monkeyp
         dh = torch.full((cap, 2 * I), float("nan"), dtype=torch.bfloat16, device=DEV)
         ops.expert_gemm_fp8(dyq, dys, w8.fc2_t.q, w8.fc2_t.scale, seg, cnt, dh, False, num_ctas=ctas, h=h.to(DEV))
         dhq, dhs = ops.quantize_rows_e4m3(dh, seg[-1:], gate_up_pairs=True)
+        # dh's e4m3 copy from the same GEMM (the row tasks' epilogue; the other layouts quantize
+        # after it): the quantizer's bits, rows past the segments untouched
+        dh2 = torch.full_like(dh, float("nan"))
+        dhq2 = torch.full((cap, 2 * I), 0x7F, dtype=torch.uint8, device=DEV).view(torch.float8_e4m3fn)
+        dhs2 = torch.full_like(dhs, float("nan"))
+        ops.expert_gemm_fp8(dyq, dys, w8.fc2_t.q, w8.fc2_t.scale, seg, cnt, dh2, False, num_ctas=ctas, h=h.to(DEV),
+                            dh_e4m3=(dhq2, dhs2))
+        end = offs[-1]
+        assert torch.equal(bits(dh2), bits(dh)), ("dh with its e4m3 copy", ctas, layout)
+        assert torch.equal(_u8(dhq2)[:end], _u8(dhq)[:end]), ("dh's e4m3 bytes", ctas, layout)
+        assert torch.equal(dhs2[:, :end], dhs[:, :end]), ("dh's e4m3 scales", ctas, layout)
+        assert bool((_u8(dhq2)[end:] == 0x7F).all()) and bool(dhs2[:, end:].isnan().all()), (ctas, layout)
         dx = torch.full((cap, H), float("nan"), dtype=torch.bfloat16, device=DEV)
         ops.expert_gemm_fp8(dhq, dhs, w8.fc1_t.q, w8.fc1_t.scale, seg, cnt, dx, False, num_ctas=ctas)
         if first is None:
             first = (dh, dx)
             continue
         assert torch.equal(bits(dh), bits(first[0])) and torch.equal(bits(dx), bits(first[1])), (ctas, layout)
+    dh_copy = (torch.empty((cap, 2 * I), dtype=torch.float8_e4m3fn, device=DEV), torch.empty_like(dhs))
+    with pytest.raises(RuntimeError, match="needs h"):
+        ops.expert_gemm_fp8(dyq, dys, w8.fc2_t.q, w8.fc2_t.scale, seg, cnt, first[0], False, dh_e4m3=dh_copy)
+    with pytest.raises(RuntimeError, match="dh_q_scale must be"):
+        ops.expert_gemm_fp8(dyq, dys, w8.fc2_t.q, w8.fc2_t.scale, seg, cnt, first[0], False, h=h.to(DEV),
+                            dh_e4m3=(dh_copy[0], dhs[:1].contiguous()))
     dh, dx = (t.cpu() for t in first)
     # the bf16 dgrad kernels on the unquantized operands: the bar for the accumulation
     dh16 = torch.empty((cap, 2 * I), dtype=torch.bfloat16, device=DEV)
