@@ -280,8 +280,8 @@ def test_expert_gemm_fp8_dgrads_match_dequantized_products(H, I, counts, monkeyp
             continue
         assert torch.equal(bits(dh), bits(first[0])) and torch.equal(bits(dx), bits(first[1])), (ctas, layout)
     dh_copy = (torch.empty((cap, 2 * I), dtype=torch.float8_e4m3fn, device=DEV), torch.empty_like(dhs))
-    with pytest.raises(RuntimeError, match="needs h"):
-        ops.expert_gemm_fp8(dyq, dys, w8.fc2_t.q, w8.fc2_t.scale, seg, cnt, first[0], False, dh_e4m3=dh_copy)
+    with pytest.raises(RuntimeError, match="needs h"):  # the fc1 dgrad: no SwiGLU backward
+        ops.expert_gemm_fp8(dhq, dhs, w8.fc1_t.q, w8.fc1_t.scale, seg, cnt, first[1], False, dh_e4m3=dh_copy)
     with pytest.raises(RuntimeError, match="dh_q_scale must be"):
         ops.expert_gemm_fp8(dyq, dys, w8.fc2_t.q, w8.fc2_t.scale, seg, cnt, first[0], False, h=h.to(DEV),
                             dh_e4m3=(dh_copy[0], dhs[:1].contiguous()))
