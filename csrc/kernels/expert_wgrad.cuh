@@ -97,18 +97,6 @@ __device__ __forceinline__ Task decode(const Params& p, int u) {
   return Task{u / per, (u % per) / p.n_blocks, u % p.n_blocks};
 }
 
-// Pair tasks (2-CTA clusters, an even m-block count): the cluster's CTAs run m-blocks 2 i and
-// 2 i + 1 of one (expert, n-block), so each loads half of a stage's B boxes and multicasts them to
-// both; a CTA pulls 16 + 16 KB of operands from L2 a stage instead of 16 + 32. Why: without its MMA
-// and stores the e4m3 kernel still took 1.57 ms for DeepSeek-V3's dfc1 (128 experts, one GPU), the
-// time to move its ~11 GB of operand boxes through L2 (probe, fifteenth session). Task u: cluster
-// u / 2 expert-major, then m-block pair, then n-block; CTA u % 2 of the pair.
-__device__ __forceinline__ Task decode_pair(const Params& p, int u) {
-  const int P = u / 2, per = (p.m_blocks / 2) * p.n_blocks;
-  const int rem = P % per;
-  return Task{P / per, 2 * (rem / p.n_blocks) + u % 2, rem % p.n_blocks};
-}
-
 template <size_t... Is>
 __device__ __forceinline__ void wgmma_mn_mn(float (&d)[128], uint64_t da, uint64_t db, bool accumulate,
                                             std::index_sequence<Is...>) {
@@ -123,32 +111,19 @@ __device__ __forceinline__ void wgmma_e4m3_k(float (&d)[128], uint64_t da, uint6
   Atom::fma(da, db, d[Is]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
 }
 
-// A stage's four B boxes: all of them, or (paired) boxes rank and rank + 2, multicast to both CTAs.
-template <bool kPaired, class Ring, class Load>
-__device__ __forceinline__ void load_b(const Ring& sm, int s, Load load) {
-  if constexpr (kPaired) {
-    for (int i = static_cast<int>(cluster_ctarank()); i < 4; i += 2) load(sm.x(s) + i * (kBBytes / 4), i, true);
-  } else {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) load(sm.x(s) + i * (kBBytes / 4), i, false);
-  }
-}
-
 // How a stage's operands arrive and enter the MMA. Both layouts move 16 KB of A and 32 KB of B a
 // stage, so they share the ring.
 // Bf16Operands: the token-row-major operands themselves, 64 rows a stage as [64 rows][64 M] boxes
 // (MN-major), 16-row MMA groups.
 struct Bf16Operands {
   static constexpr int kStageRows = BK, kGroup = 16;
-  template <bool kPaired, class Ring>
+  template <class Ring>
   static __device__ __forceinline__ void load(const Ring& sm, int s, const CUtensorMap* tmA, const CUtensorMap* tmB,
                                               const Task& t, int a_row, int b_row) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) tma_load_2d(sm.w(s) + i * (kABytes / 2), tmA, sm.full(s), t.mb * WM + 64 * i, a_row);
-    load_b<kPaired>(sm, s, [&](void* dst, int i, bool multicast) {
-      if (multicast) tma_load_2d_multicast(dst, tmB, sm.full(s), t.nb * WN + 64 * i, b_row, 0x3);
-      else tma_load_2d(dst, tmB, sm.full(s), t.nb * WN + 64 * i, b_row);
-    });
+#pragma unroll
+    for (int i = 0; i < 4; ++i) tma_load_2d(sm.x(s) + i * (kBBytes / 4), tmB, sm.full(s), t.nb * WN + 64 * i, b_row);
   }
   // 16-row group kk of stage s
   template <class Ring>
@@ -164,15 +139,13 @@ struct Bf16Operands {
 // MMA groups.
 struct E4m3Operands {
   static constexpr int kStageRows = 128, kGroup = 32;
-  template <bool kPaired, class Ring>
+  template <class Ring>
   static __device__ __forceinline__ void load(const Ring& sm, int s, const CUtensorMap* tmA, const CUtensorMap* tmB,
                                               const Task& t, int a_row, int b_row) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) tma_load_2d(sm.w(s) + i * (kABytes / 2), tmA, sm.full(s), a_row, t.mb * WM + 64 * i);
-    load_b<kPaired>(sm, s, [&](void* dst, int i, bool multicast) {
-      if (multicast) tma_load_2d_multicast(dst, tmB, sm.full(s), b_row, t.nb * WN + 64 * i, 0x3);
-      else tma_load_2d(dst, tmB, sm.full(s), b_row, t.nb * WN + 64 * i);
-    });
+#pragma unroll
+    for (int i = 0; i < 4; ++i) tma_load_2d(sm.x(s) + i * (kBBytes / 4), tmB, sm.full(s), b_row, t.nb * WN + 64 * i);
   }
   template <class Ring>
   static __device__ __forceinline__ void mma(const Ring& sm, int s, int cw, int kk, float (&acc)[128], bool accumulate) {
@@ -185,8 +158,8 @@ struct E4m3Operands {
 // Producer thread. Megakernel (kWatch): waits under the watchdog, and `tag` goes to stage_tag[s]
 // of the task's first stage before it is armed (stage_tag null: a task inside a group, the
 // consumers know of it already); a task without rows still takes one stage, armed without bytes,
-// so that the consumers learn of it (mma_task consumes it). kPaired: pair tasks (decode_pair).
-template <bool kWatch = false, class Ops = Bf16Operands, bool kPaired = false, class Ring>
+// so that the consumers learn of it (mma_task consumes it).
+template <bool kWatch = false, class Ops = Bf16Operands, class Ring>
 __device__ __forceinline__ void produce_task(const Params& p, const CUtensorMap* tmA, const CUtensorMap* tmB,
                                              const Ring& sm, const Task& t, uint32_t& it, const Watchdog* w = nullptr,
                                              volatile int* stage_tag = nullptr, int tag = 0) {
@@ -206,7 +179,7 @@ __device__ __forceinline__ void produce_task(const Params& p, const CUtensorMap*
     gemm::ring_wait<kWatch>(sm.empty(s), ((it / kStages) & 1) ^ 1, w);
     if (kWatch && kb == 0 && stage_tag != nullptr) stage_tag[s] = tag;
     mbar_arrive_expect_tx(sm.full(s), kABytes + kBBytes);
-    Ops::template load<kPaired>(sm, s, tmA, tmB, t, a0 + kb * Ops::kStageRows, b0 + kb * Ops::kStageRows);
+    Ops::load(sm, s, tmA, tmB, t, a0 + kb * Ops::kStageRows, b0 + kb * Ops::kStageRows);
   }
 }
 
@@ -229,8 +202,7 @@ __device__ __forceinline__ void tail_stage(const Ring& sm, int s, int cw, float 
 
 // Consumer warpgroup cw: dW rows 64 cw .. 64 cw + 63 of the task against its 256 columns.
 // kWatch (megakernel): waits under the watchdog; a task without rows consumes its empty stage.
-// kPaired: every stage is freed on both CTAs' rings (the peer multicasts half of B into this one).
-template <bool kWatch = false, class Ops = Bf16Operands, bool kPaired = false, class Ring>
+template <bool kWatch = false, class Ops = Bf16Operands, class Ring>
 __device__ __forceinline__ void mma_task(const Params& p, const Ring& sm, int cw, const Task& t, float (&acc)[128],
                                          uint32_t& it, const Watchdog* w = nullptr) {
   constexpr int kStages = Ring::kStages;
@@ -240,7 +212,7 @@ __device__ __forceinline__ void mma_task(const Params& p, const Ring& sm, int cw
   if (kWatch && kr == 0) {
     const int s = it % kStages;
     gemm::ring_wait<true>(sm.full(s), (it / kStages) & 1, w);
-    gemm::release_stage<kPaired>(sm.empty(s));
+    gemm::release_stage<false>(sm.empty(s));
     ++it;
     return;
   }
@@ -249,11 +221,11 @@ __device__ __forceinline__ void mma_task(const Params& p, const Ring& sm, int cw
     const int s = it % kStages;
     gemm::ring_wait<kWatch>(sm.full(s), (it / kStages) & 1, w);
     issue_groups<4, Ops>(sm, s, cw, acc, kb > 0);
-    gemm::commit_and_release_previous<kPaired>(prev, [&](int i) { return sm.empty(i); });
+    gemm::commit_and_release_previous<false>(prev, [&](int i) { return sm.empty(i); });
     prev = s;
   }
   wgmma_wait<0>();
-  if (prev >= 0) gemm::release_stage<kPaired>(sm.empty(prev));
+  if (prev >= 0) gemm::release_stage<false>(sm.empty(prev));
   if (tail > 0) {
     // the last stage holds 1-3 MMA groups of the expert: one straight-line sequence per count,
     // with nothing in flight across the branch
@@ -262,7 +234,7 @@ __device__ __forceinline__ void mma_task(const Params& p, const Ring& sm, int cw
     if (tail == 1) tail_stage<1, Ops>(sm, s, cw, acc, full > 0);
     else if (tail == 2) tail_stage<2, Ops>(sm, s, cw, acc, full > 0);
     else tail_stage<3, Ops>(sm, s, cw, acc, full > 0);
-    gemm::release_stage<kPaired>(sm.empty(s));
+    gemm::release_stage<false>(sm.empty(s));
     ++it;
   }
   fence_regs(acc);

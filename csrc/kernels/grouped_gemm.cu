@@ -160,38 +160,25 @@ const char* launch_expert_kernel(Kernel kernel, const CUtensorMap& tmW, const CU
 
 // Routed weight gradients (expert_wgrad.cuh): persistent CTAs walk the tasks round-robin.
 // E4m3Operands (TMA stores only): the accumulators times a_scale[e][m] * b_scale[e][n] first.
-// kPaired (TMA stores only): pair tasks in 2-CTA clusters (xwgrad::decode_pair).
-template <bool kTmaStore, class Ops = xwgrad::Bf16Operands, bool kPaired = false>
+template <bool kTmaStore, class Ops = xwgrad::Bf16Operands>
 __global__ void __launch_bounds__(xgemm::kThreads, 1)
     expert_wgrad_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
                         const __grid_constant__ CUtensorMap tmOut, xwgrad::Params p, const float* a_scale,
                         const float* b_scale) {
   constexpr bool kE4m3 = std::is_same_v<Ops, xwgrad::E4m3Operands>;
-  static_assert(kTmaStore || !(kE4m3 || kPaired), "the e4m3 and pair weight gradients leave through TMA stores");
+  static_assert(kTmaStore || !kE4m3, "the e4m3 weight gradients leave through TMA stores");
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const auto sm = xwgrad::carve_smem<kTmaStore>(smem_raw);
-  if constexpr (kPaired) {
-    if (threadIdx.x == 32) {
-      for (int s = 0; s < sm.kStages; ++s) {
-        mbar_init(sm.full(s), 1);
-        mbar_init(sm.empty(s), gemm::empty_arrivals(true));
-      }
-      mbar_fence_init();
-    }
-    cluster_sync();  // the peer multicasts into this CTA's ring only after its barriers exist
-  } else {
-    gemm::init_ring_barriers(sm, sm.kStages);
-    __syncthreads();
-  }
+  gemm::init_ring_barriers(sm, sm.kStages);
+  __syncthreads();
   const int tasks = xwgrad::num_tasks(p);
-  auto decode = [&](int u) { return kPaired ? xwgrad::decode_pair(p, u) : xwgrad::decode(p, u); };
   gemm::run_roles(
       [&] {
         tma_prefetch_desc(&tmA);
         tma_prefetch_desc(&tmB);
         uint32_t it = 0;
         for (int u = blockIdx.x; u < tasks; u += gridDim.x)
-          xwgrad::produce_task<false, Ops, kPaired>(p, &tmA, &tmB, sm, decode(u), it);
+          xwgrad::produce_task<false, Ops>(p, &tmA, &tmB, sm, xwgrad::decode(p, u), it);
       },
       [] {},
       [&](int cw) {
@@ -199,17 +186,15 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
         uint32_t it = 0;
         for (int u = blockIdx.x; u < tasks; u += gridDim.x) {
           // e4m3: the scales' loads are in flight during the MMA
-          const auto scales = xwgrad::task_scales<Ops>(p, sm, a_scale, b_scale, decode(u), cw);
-          xwgrad::mma_task<false, Ops, kPaired>(p, sm, cw, decode(u), acc, it);
+          const auto scales = xwgrad::task_scales<Ops>(p, sm, a_scale, b_scale, xwgrad::decode(p, u), cw);
+          xwgrad::mma_task<false, Ops>(p, sm, cw, xwgrad::decode(p, u), acc, it);
           if constexpr (kTmaStore)
-            xwgrad::store_task_tma(p, sm, &tmOut, decode(u), cw, acc, scales);
+            xwgrad::store_task_tma(p, sm, &tmOut, xwgrad::decode(p, u), cw, acc, scales);
           else
-            xwgrad::store_task_direct(p, sm, decode(u), cw, acc);
+            xwgrad::store_task_direct(p, sm, xwgrad::decode(p, u), cw, acc);
         }
         if (kTmaStore && threadIdx.x % 128 == 0) bulk_wait_all();  // the boxes stay until TMA is done
       });
-  // paired: no CTA leaves while its peer may still multicast into it or arrive on its barriers
-  if constexpr (kPaired) cluster_sync();
 }
 
 // MOK_WGRAD_TMA_STORE=0: the wgrad's epilogue stores from the consumers (4-stage ring), read per
@@ -219,30 +204,15 @@ bool wgrad_tma_store() {
   return !(v != nullptr && v[0] == '0');
 }
 
-// MOK_WGRAD_PAIRS=0: the TMA-store weight gradients run unpaired (the A/B switch; same bits).
-bool wgrad_pairs(const xwgrad::Params& p) {
-  const char* v = getenv("MOK_WGRAD_PAIRS");
-  return p.m_blocks % 2 == 0 && !(v != nullptr && v[0] == '0');
-}
-
-// The persistent grid of a weight-gradient launch: at most one CTA a task (paired: one cluster a
-// pair of tasks; num_ctas rounded down to an even count).
+// The persistent grid of a weight-gradient launch: at most one CTA a task.
 template <class Kernel>
 const char* launch_wgrad(Kernel kernel, int smem, const xwgrad::Params& p, int num_ctas, cudaStream_t stream,
                          const CUtensorMap& tmA, const CUtensorMap& tmB, const CUtensorMap& tmOut,
-                         const float* a_scale, const float* b_scale, bool paired = false) {
-  cudaLaunchAttribute cluster;
-  cudaLaunchConfig_t cfg = launch_config(xgemm::kThreads, smem, stream, paired, &cluster);
-  const int64_t tasks = (int64_t)p.nseg * p.m_blocks * p.n_blocks;
-  if (paired) {
-    const int at_once = units_at_once(kernel, cfg, true, "expert_wgrad");
-    if (at_once == 0) return "mok expert_wgrad: cannot raise the shared-memory limit";
-    const int64_t clusters = num_ctas > 0 ? std::max(1, num_ctas / 2) : at_once;
-    cfg.gridDim = dim3(static_cast<unsigned>(2 * std::max<int64_t>(1, std::min<int64_t>(clusters, tasks / 2))));
-    return launch_ex(cfg, kernel, tmA, tmB, tmOut, p, a_scale, b_scale);
-  }
+                         const float* a_scale, const float* b_scale) {
+  cudaLaunchConfig_t cfg = launch_config(xgemm::kThreads, smem, stream, false, nullptr);
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
     return "mok expert_wgrad: cannot raise the shared-memory limit";
+  const int64_t tasks = (int64_t)p.nseg * p.m_blocks * p.n_blocks;
   const int ctas = num_ctas > 0 ? num_ctas : num_sms();
   cfg.gridDim = dim3(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ctas, tasks))));
   return launch_ex(cfg, kernel, tmA, tmB, tmOut, p, a_scale, b_scale);
@@ -267,9 +237,6 @@ const char* launch_expert_wgrad(const void* a, int64_t a_rows, int M, const int*
   const xwgrad::Params p = xwgrad::make_params(a_offsets, b_offsets, counts, nseg, M, N, out);
   CUtensorMap tmOut;
   if (const char* m = xwgrad::make_out_map(&tmOut, out, nseg, M, N)) return m;
-  if (wgrad_tma_store() && wgrad_pairs(p))
-    return launch_wgrad(expert_wgrad_kernel<true, xwgrad::Bf16Operands, true>, xwgrad::Smem<true>::kBytes, p,
-                        num_ctas, stream, tmA, tmB, tmOut, nullptr, nullptr, true);
   if (wgrad_tma_store())
     return launch_wgrad(expert_wgrad_kernel<true>, xwgrad::Smem<true>::kBytes, p, num_ctas, stream, tmA, tmB, tmOut,
                         nullptr, nullptr);
@@ -291,9 +258,6 @@ const char* launch_expert_wgrad_fp8(const void* a_t, int M, const float* a_scale
   const xwgrad::Params p = xwgrad::make_params(offsets, offsets, counts, nseg, M, N, out);
   CUtensorMap tmOut;
   if (const char* m = xwgrad::make_out_map(&tmOut, out, nseg, M, N)) return m;
-  if (wgrad_pairs(p))
-    return launch_wgrad(expert_wgrad_kernel<true, xwgrad::E4m3Operands, true>, xwgrad::Smem<true>::kBytes, p,
-                        num_ctas, stream, tmA, tmB, tmOut, a_scale, b_scale, true);
   return launch_wgrad(expert_wgrad_kernel<true, xwgrad::E4m3Operands>, xwgrad::Smem<true>::kBytes, p, num_ctas,
                       stream, tmA, tmB, tmOut, a_scale, b_scale);
 }

@@ -220,9 +220,8 @@ def test_expert_wgrad_matches_matmul(M, N, monkeypatch):
     """out[e] = a[rows of e]^T @ b[rows of e] with a in a tight layout (16-row segments) and b in a
     padded one (128-row segments): experts with 0, 1, 15, 17, 255-257 and 700 rows, M and N off the
     tile; against fp64, empty experts exactly zero, NaN rows past an expert's 16-row bound never
-    read (a's tail past the last segment, b's padding), bits independent of the CTA count, of the
-    epilogue (TMA stores or not: MOK_WGRAD_TMA_STORE) and of the pair tasks (MOK_WGRAD_PAIRS; M = 200
-    has two m-blocks, so it runs them in 2-CTA clusters)."""
+    read (a's tail past the last segment, b's padding), bits independent of the CTA count and of
+    the epilogue (TMA stores or not: MOK_WGRAD_TMA_STORE)."""
     from megatron_mok import ops
 
     counts = [130, 0, 1, 15, 17, 255, 256, 257, 700, 48, 0]
@@ -243,17 +242,14 @@ def test_expert_wgrad_matches_matmul(M, N, monkeypatch):
     bo = torch.tensor(boffs, dtype=torch.int32, device=DEV)
     cnt = torch.tensor(counts, dtype=torch.int32, device=DEV)
     first = None
-    for tma, pairs, ctas in (("1", "1", 0), ("1", "1", 1), ("1", "1", 5), ("1", "1", 77), ("1", "0", 0),
-                             ("1", "0", 5), ("0", "1", 0), ("0", "1", 5)):
+    for tma, ctas in (("1", 0), ("1", 1), ("1", 5), ("1", 77), ("0", 0), ("0", 5)):
         monkeypatch.setenv("MOK_WGRAD_TMA_STORE", tma)
-        monkeypatch.setenv("MOK_WGRAD_PAIRS", pairs)
         out = torch.full((len(counts), M, N), float("nan"), dtype=torch.bfloat16, device=DEV)
         ops.expert_wgrad(a, ao, b, bo, cnt, out, num_ctas=ctas)
         if first is None:
             first = out
         else:
-            assert torch.equal(bits(out), bits(first)), \
-                f"bits depend on the CTA count ({ctas}), the epilogue ({tma}) or the pairs ({pairs})"
+            assert torch.equal(bits(out), bits(first)), f"bits depend on the CTA count ({ctas}) or epilogue ({tma})"
     for e, c in enumerate(counts):
         if c == 0:
             assert bool((first[e] == 0).all()), f"expert {e} without rows: not exact zeros"

@@ -469,11 +469,10 @@ def test_quantize_columns_matches_reference_bits(C):
 
 
 @pytest.mark.parametrize("M,N", [(128, 256), (192, 576), (64, 320)])
-def test_expert_wgrad_fp8_matches_dequantized_products(M, N, monkeypatch):
+def test_expert_wgrad_fp8_matches_dequantized_products(M, N):
     """out[e] = A_e^T B_e on the e4m3 transposes (one scale per expert and column) against fp64
     products of the dequantized operands, M and N off the 128 x 256 tile; experts without rows exact
-    zeros; the bits do not depend on the CTA count or on the pair tasks (MOK_WGRAD_PAIRS; M = 192 has
-    two m-blocks); a mismatched operand raises a named error."""
+    zeros; the bits do not depend on the CTA count; a mismatched operand raises a named error."""
     from megatron_mok import ops
 
     gen = torch.Generator().manual_seed(M + N)
@@ -482,14 +481,13 @@ def test_expert_wgrad_fp8_matches_dequantized_products(M, N, monkeypatch):
     a_t, a_s = ops.quantize_columns_e4m3(a, offs_d, cnt)
     b_t, b_s = ops.quantize_columns_e4m3(b, offs_d, cnt)
     first = None
-    for pairs, ctas in (("1", 0), ("1", 1), ("1", 5), ("1", 77), ("0", 0), ("0", 5)):
-        monkeypatch.setenv("MOK_WGRAD_PAIRS", pairs)
+    for ctas in (0, 1, 5, 77):
         out = torch.full((len(WGRAD_COUNTS), M, N), float("nan"), dtype=torch.bfloat16, device=DEV)
         ops.expert_wgrad_fp8(a_t, a_s, b_t, b_s, offs_d, cnt, out, num_ctas=ctas)
         if first is None:
             first = out
         else:
-            assert torch.equal(bits(out), bits(first)), f"bits depend on the CTA count ({ctas}) or pairs ({pairs})"
+            assert torch.equal(bits(out), bits(first)), f"bits depend on the CTA count ({ctas})"
     for e, c in enumerate(WGRAD_COUNTS):
         if c == 0:
             assert bool((first[e] == 0).all()), f"expert {e} without rows: not exact zeros"
