@@ -537,19 +537,16 @@ struct PairBlockE4m3 {
   int64_t ld = 0;
 };
 
-// Lane `piece` of the 8 that hold row r's pair block kb: dg / du as dh stores them (bf16-rounded),
-// the block's amax over the 8 lanes, then its bytes (q_row: row r of q) and (piece 0) its scale.
-// Every lane of the warp calls it (the shuffles); live: the row is real (the same for all 8).
-__device__ __forceinline__ void store_pair_block_e4m3(const PairBlockE4m3& e4, const float (&dg)[8],
-                                                      const float (&du)[8], bool live, uint8_t* q_row, int r,
-                                                      int kb, int piece) {
+// Lane `piece` of the 8 that hold row r's pair block kb: dg / du as dh stores them (the bf16
+// pieces), the block's amax over the 8 lanes, then its bytes (q_row: row r of q) and (piece 0) its
+// scale. Every lane of the warp calls it (the shuffles); live: the row is real (the same for all 8).
+__device__ __forceinline__ void store_pair_block_e4m3(const PairBlockE4m3& e4, uint4 dg, uint4 du, bool live,
+                                                      uint8_t* q_row, int r, int kb, int piece) {
   float g[8], u[8], amax = 0.f;
+  unpack8(dg, g);
+  unpack8(du, u);
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    g[j] = __bfloat162float(__float2bfloat16_rn(dg[j]));
-    u[j] = __bfloat162float(__float2bfloat16_rn(du[j]));
-    amax = fmaxf(amax, fmaxf(fabsf(g[j]), fabsf(u[j])));
-  }
+  for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fmaxf(fabsf(g[j]), fabsf(u[j])));
 #pragma unroll
   for (int o = 4; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   if (!live) return;
@@ -590,11 +587,12 @@ __device__ __forceinline__ void flush_swiglu_bwd(const Params& p, uint32_t stg, 
     }
 #pragma unroll
     for (int j = 0; j < 8; ++j) swiglu_grad(g[j], u[j], d[j], dg[j], du[j]);
+    const uint4 dg16 = pack8(dg), du16 = pack8(du);
     if (live) {
-      st16(dst, pack8(dg));
-      st16(dst + p.N, pack8(du));
+      st16(dst, dg16);
+      st16(dst + p.N, du16);
     }
-    if constexpr (kE4m3) store_pair_block_e4m3(e4, dg, du, live, e4.q + r * ld, r, col0 / 64, idx % 8);
+    if constexpr (kE4m3) store_pair_block_e4m3(e4, dg16, du16, live, e4.q + r * ld, r, col0 / 64, idx % 8);
   }
   warpgroup_bar_sync(bar);
 }
