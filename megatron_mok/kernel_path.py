@@ -255,8 +255,7 @@ def _dispatch_fp8(cfg, ws, sched, x, comm_ctas, during_dispatch=None):
     H, k, cap = ws.hidden, ws.topk, sched.capacity
     q_ptrs, s_ptrs, pitch = _publish_fp8(cfg, ws, x)
     started = _mark(during_dispatch)
-    q_routed = torch.empty((cap, H), dtype=torch.float8_e4m3fn, device=ws.device)
-    s_routed = torch.empty((H // fp8.BLOCK, -(-cap // 4) * 4), dtype=torch.float32, device=ws.device)
+    q_routed, s_routed = ops.empty_rows_e4m3(cap, H, ws.device)
     ops.dispatch_e4m3(sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, q_routed, s_routed, q_ptrs, s_ptrs,
                       pitch, k, comm_ctas)
     if during_dispatch is not None:
@@ -300,9 +299,7 @@ def _routed_dgrads_fp8(w8, dyq, dys, h, offsets, counts, dh, dx_rows, push=None,
     second GEMM's epilogue also stores the dx rows into their source slots (``bwd_push``'s stores).
     dh_done: called once dh is written (before the second GEMM's launch). dh's e4m3 copy comes from
     the first GEMM's epilogue (no quantizing pass between the two on the critical path)."""
-    rows = dh.shape[0]
-    dhq = torch.empty(dh.shape, dtype=torch.float8_e4m3fn, device=dh.device)
-    dhs = torch.empty((dh.shape[1] // fp8.BLOCK, -(-rows // 4) * 4), dtype=torch.float32, device=dh.device)
+    dhq, dhs = ops.empty_rows_e4m3(*dh.shape, dh.device)
     ops.expert_gemm_fp8(dyq, dys, w8.fc2_t.q, w8.fc2_t.scale, offsets, counts, dh, False, h=h, dh_e4m3=(dhq, dhs))
     if dh_done is not None:
         dh_done()
@@ -935,8 +932,7 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     dy = torch.empty((cap, H), **bf16)
     dyq = dys = None
     if w8 is not None:  # the fp8 dgrad's operand, quantized by the pull on the way
-        dyq = torch.empty((cap, H), dtype=torch.float8_e4m3fn, device=ws.device)
-        dys = torch.empty((H // fp8.BLOCK, -(-cap // 4) * 4), dtype=torch.float32, device=ws.device)
+        dyq, dys = ops.empty_rows_e4m3(cap, H, ws.device)
     main = torch.cuda.current_stream(ws.device)
     side = _side_stream(ws.device) if (shared_fc1 is not None or defer_x or wgrad8) and _bwd_overlap_enabled() else None
     before_pull = _mark(side if _bwd_side_early() else None)

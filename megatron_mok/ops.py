@@ -147,12 +147,16 @@ def quantize_rows_e4m3(x: torch.Tensor, rows_end: torch.Tensor | None = None, ga
     below it are quantized (the routed rows of a segment layout); the others are left as they were.
     gate_up_pairs: x holds [gate | up], q its columns in gate/up pair order (``fp8.pair_columns``).
     """
-    rows, k = x.shape
-    ld = -(-rows // 4) * 4
-    q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((k // 128, ld), dtype=torch.float32, device=x.device)
+    q, scale = empty_rows_e4m3(*x.shape, x.device)
     quantize_rows_e4m3_into(x, q, scale, rows_end, gate_up_pairs=gate_up_pairs)
     return q, scale
+
+
+def empty_rows_e4m3(rows: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialized (q [rows, k] e4m3, scale [k / 128, ld] fp32, ld = rows rounded up to 4): the
+    token-row operand of ``expert_gemm_fp8`` as ``quantize_rows_e4m3`` lays it out."""
+    q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=device)
+    return q, torch.empty((k // 128, -(-rows // 4) * 4), dtype=torch.float32, device=device)
 
 
 def quantize_rows_e4m3_into(x, q, scale, rows_end=None, scale_rows: bool = False, gate_up_pairs: bool = False) -> None:
