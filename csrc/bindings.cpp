@@ -168,6 +168,35 @@ void dispatch_e4m3(const Tensor& row_src_rank, const Tensor& row_src_slot, const
                                   static_cast<int>(num_ctas), current_stream()));
 }
 
+// The remote tokens routed to this rank, each pulled once: rows_out [ep, T, ...] (and scales_out)
+// row (src, t) <- peer_rows[src] row t for src != rank if t has a local expert (launch_pull_tokens).
+void pull_tokens(const Tensor& top_all, int64_t rank, int64_t nle, std::vector<int64_t> peer_rows, Tensor& rows_out,
+                 std::vector<int64_t> peer_scales, const std::optional<Tensor>& scales_out, int64_t num_ctas) {
+  check_cuda(top_all, "top_all", at::kInt);
+  TORCH_CHECK(top_all.dim() == 3, "megatron_mok: pull_tokens top_all must be [ep, T, k]");
+  const int64_t ep = top_all.size(0), T = top_all.size(1), k = top_all.size(2);
+  using ll = long long;
+  auto row_bytes = [&](const Tensor& t, const char* name) {
+    MOK_CHECK(t.is_cuda() && t.is_contiguous() && t.dim() >= 3 && t.size(0) == ep && t.size(1) == T,
+              "megatron_mok: pull_tokens %s must be a contiguous CUDA tensor [ep = %lld, T = %lld, ...]", name, ll(ep),
+              ll(T));
+    return t.numel() / (ep * T) * t.element_size();
+  };
+  const int64_t rb = row_bytes(rows_out, "rows_out");
+  const int64_t sb = scales_out.has_value() ? row_bytes(*scales_out, "scales_out") : 0;
+  MOK_CHECK(static_cast<int64_t>(peer_rows.size()) == ep && (!scales_out || static_cast<int64_t>(peer_scales.size()) == ep),
+            "megatron_mok: pull_tokens needs one peer address per rank (ep = %lld)", ll(ep));
+  MOK_CHECK(rank >= 0 && rank < ep && nle > 0, "megatron_mok: pull_tokens rank %lld of %lld ranks, %lld local experts",
+            ll(rank), ll(ep), ll(nle));
+  c10::cuda::CUDAGuard guard(rows_out.device());
+  check(mok::launch_pull_tokens(top_all.data_ptr<int>(), static_cast<int>(T), static_cast<int>(k), static_cast<int>(ep),
+                                static_cast<int>(rank), static_cast<int>(nle), peers(peer_rows, "peer_rows"),
+                                rows_out.data_ptr(), static_cast<int>(rb),
+                                scales_out ? peers(peer_scales, "peer_scales") : mok::PeerPtrs{},
+                                scales_out ? scales_out->data_ptr() : nullptr, static_cast<int>(sb),
+                                static_cast<int>(num_ctas), current_stream()));
+}
+
 void grouped_gemm(const Tensor& a, const Tensor& b, const std::optional<Tensor>& seg_offsets,
                   const std::optional<Tensor>& seg_counts, Tensor& out, const std::optional<Tensor>& pre_out,
                   bool swiglu, int64_t num_ctas) {
@@ -998,6 +1027,9 @@ TORCH_LIBRARY(megatron_mok, m) {
       "dispatch_e4m3(Tensor row_src_rank, Tensor row_src_slot, Tensor expert_offsets, Tensor(a!) q_routed, "
       "Tensor(b!) scale_t, int[] peer_q, int[] peer_s, int scale_pitch, int topk, int num_ctas) -> ()");
   m.def(
+      "pull_tokens(Tensor top_all, int rank, int nle, int[] peer_rows, Tensor(a!) rows_out, int[] peer_scales, "
+      "Tensor(b!)? scales_out, int num_ctas) -> ()");
+  m.def(
       "grouped_gemm(Tensor a, Tensor b, Tensor? seg_offsets, Tensor? seg_counts, Tensor(a!) out, Tensor(b!)? pre_out, "
       "bool swiglu, int num_ctas) -> ()");
   m.def(
@@ -1071,6 +1103,7 @@ TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("build_schedule", &build_schedule);
   m.impl("dispatch", &dispatch);
   m.impl("dispatch_e4m3", &dispatch_e4m3);
+  m.impl("pull_tokens", &pull_tokens);
   m.impl("grouped_gemm", &grouped_gemm);
   m.impl("expert_gemm_fp8", &expert_gemm_fp8);
   m.impl("quantize_rows_e4m3", &quantize_rows_e4m3);

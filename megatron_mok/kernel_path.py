@@ -247,6 +247,27 @@ def _publish_fp8(cfg, ws, x):
     return q_ptrs, s_ptrs, pitch
 
 
+def _token_dedup_enabled(ws) -> bool:
+    """MOK_TOKEN_DEDUP=1 (at ep > 1): each remote token crosses NVLink once (``ops.pull_tokens``)
+    and the routed rows copy it locally; same bits. Off by default until it has been measured and
+    tested on two GPUs (only one was lent in the session that built it; docs/KERNELS.md). Read per
+    call."""
+    return ws.ep_size > 1 and os.environ.get("MOK_TOKEN_DEDUP", "0") == "1"
+
+
+def _pulled_once(ws, sched, sources, comm_ctas):
+    """``sources``: per buffer (its symmetric tensor, its peer pointers). With token dedup, the remote
+    tokens routed here are first pulled once into local copies (``ops.pull_tokens``); returns the
+    peer-pointer tables the dispatch then reads (own buffer, local copies), else the tables as given."""
+    if not _token_dedup_enabled(ws):
+        return [ptrs for _, ptrs in sources]
+    copies = [torch.empty((ws.ep_size, *buf.shape), dtype=buf.dtype, device=ws.device) for buf, _ in sources]
+    (_, rows), *rest = sources
+    ops.pull_tokens(sched.top_experts_all, ws.rank, ws.num_local_experts, rows, copies[0],
+                    rest[0][1] if rest else None, copies[1] if rest else None, comm_ctas)
+    return [ops.local_sources(ptrs, ws.rank, copy) for (_, ptrs), copy in zip(sources, copies)]
+
+
 def _dispatch_fp8(cfg, ws, sched, x, comm_ctas, during_dispatch=None):
     """Quantized rows published (``_publish_fp8``), then pull the e4m3 rows and their scale rows:
     half the bytes of the bf16 dispatch, and T rows to quantize instead of the routed ones. Returns
@@ -255,6 +276,8 @@ def _dispatch_fp8(cfg, ws, sched, x, comm_ctas, during_dispatch=None):
     H, k, cap = ws.hidden, ws.topk, sched.capacity
     q_ptrs, s_ptrs, pitch = _publish_fp8(cfg, ws, x)
     started = _mark(during_dispatch)
+    (q_sym, _), (s_sym, _), _ = _x_e4m3_buffers(ws)
+    q_ptrs, s_ptrs = _pulled_once(ws, sched, [(q_sym, q_ptrs), (s_sym, s_ptrs)], comm_ctas)
     q_routed, s_routed = ops.empty_rows_e4m3(cap, H, ws.device)
     ops.dispatch_e4m3(sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, q_routed, s_routed, q_ptrs, s_ptrs,
                       pitch, k, comm_ctas)
@@ -436,6 +459,7 @@ def _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1, *, keep_gate_
         xs.copy_(x)
         ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
         started = _mark(during_dispatch)
+        x_ptrs, = _pulled_once(ws, sched, [(xs, x_ptrs)], comm_ctas)
         x_routed = torch.empty((cap, H), **bf16)
         ops.dispatch(sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, x_routed, x_ptrs, ws.topk,
                      comm_ctas)
@@ -936,7 +960,8 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     main = torch.cuda.current_stream(ws.device)
     side = _side_stream(ws.device) if (shared_fc1 is not None or defer_x or wgrad8) and _bwd_overlap_enabled() else None
     before_pull = _mark(side if _bwd_side_early() else None)
-    ops.bwd_pull(sched.row_src_rank, sched.row_src_slot, row_offs, ctx.y_routed, dy, g_ptrs, p_ptrs, dw_ptrs, k,
+    g_src, = _pulled_once(ws, sched, [(gbuf, g_ptrs)], comm_ctas)
+    ops.bwd_pull(sched.row_src_rank, sched.row_src_slot, row_offs, ctx.y_routed, dy, g_src, p_ptrs, dw_ptrs, k,
                  comm_ctas, trow=trow, q=dyq, q_scale=dys)
 
     # 3. the shared expert needs only g and x, the deferred dequantization only the context: with

@@ -61,7 +61,7 @@ def _register_fakes() -> None:
         return None
 
     for name in ("barrier", "barrier_open", "publish_barrier", "build_schedule", "dispatch", "dispatch_e4m3",
-                 "grouped_gemm",
+                 "pull_tokens", "grouped_gemm",
                  "combine", "moe_epilogue", "moe_epilogue_wait", "megakernel", "megakernel_timeline",
                  "bwd_publish", "bwd_pull",
                  "bwd_tight_map", "gather_rows", "swiglu_backward", "expert_dgrad", "expert_wgrad", "zero_empty_segments", "bwd_push",
@@ -127,6 +127,23 @@ def dispatch_e4m3(row_src_rank, row_src_slot, expert_offsets, q_routed, scale_t,
     layout ``expert_gemm_fp8`` reads). Padding rows get zero rows and zero scales."""
     _ops().dispatch_e4m3(row_src_rank, row_src_slot, expert_offsets, q_routed, scale_t, peer_q, peer_s, scale_pitch,
                          topk, num_ctas)
+
+
+def pull_tokens(top_all, rank: int, nle: int, peer_rows: list[int], rows_out, peer_scales: list[int] | None = None,
+                scales_out=None, num_ctas: int = 0) -> None:
+    """The remote tokens routed to this rank, each pulled over NVLink once: for every source rank
+    ``src != rank`` and token ``t`` with one of its experts (``top_all [ep, T, k]``) on this rank (global
+    ids ``rank * nle .. + nle - 1``), ``rows_out[src, t]`` <- row ``t`` of ``peer_rows[src]`` (rows of
+    ``rows_out[0, 0]``'s bytes), and likewise ``scales_out`` from ``peer_scales``. Other rows are not
+    written. See ``local_sources`` for the dispatches that then read them."""
+    _ops().pull_tokens(top_all, rank, nle, peer_rows, rows_out, peer_scales or [], scales_out, num_ctas)
+
+
+def local_sources(peer_ptrs: list[int], rank: int, pulled) -> list[int]:
+    """The dispatches' source table after ``pull_tokens``: this rank's own buffer, and each other
+    rank's slice ``pulled[src]`` of the local copy."""
+    stride = pulled[0].numel() * pulled.element_size()
+    return [p if r == rank else pulled.data_ptr() + r * stride for r, p in enumerate(peer_ptrs)]
 
 
 def grouped_gemm(a, b, seg_offsets, out, swiglu: bool, num_ctas: int = 0, seg_counts=None, pre_out=None) -> None:

@@ -1029,7 +1029,7 @@ def main() -> None:
             date=datetime.date.today().isoformat(), matmul_8192_tflops=roof, seconds=time.time() - t0,
             env={k: os.environ.get(k) for k in (*NO_MULTICAST_ENV, "MOK_FORWARD", "MOK_BACKWARD", "MOK_GEMM_SKIP_PAD",
                                                 "MOK_GEMM_PAIRED", "MOK_GEMM_EXPERT", "MOK_BWD_OVERLAP",
-                                                "MOK_BWD_GEMM", "MOK_WGRAD_TMA_STORE")},
+                                                "MOK_BWD_GEMM", "MOK_WGRAD_TMA_STORE", "MOK_TOKEN_DEDUP")},
             results=sorted(old.values(), key=lambda r: (r["shape"], r["tokens"], r["backend"])))
         if os.environ.get("MOK_BENCH_NOTE"):
             doc["note"] = os.environ["MOK_BENCH_NOTE"]

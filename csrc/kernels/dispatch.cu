@@ -38,7 +38,53 @@ __global__ void dispatch_kernel(const int* __restrict__ row_src_rank, const int*
   }
 }
 
+// The remote tokens this rank needs, each pulled once (DeepEP's dedup): token t of source rank
+// src != rank goes to rows_out[src][t] (and its scale row to scales_out[src][t]) if any of its k
+// experts is local (global ids rank * nle .. + nle - 1), the rows its routed rows read. One warp
+// per (src, token), tokens of one source consecutive (contiguous NVLink reads). The dispatches
+// then read every remote row locally: at DeepSeek-V3 EP=2 a remote token feeds ~4 routed rows,
+// which before pulled it ~4 times.
+__global__ void pull_tokens_kernel(const int* __restrict__ top_all, int T, int k, int ep, int rank, int nle,
+                                   PeerPtrs row_bufs, uint8_t* __restrict__ rows_out, int row_bytes,
+                                   PeerPtrs scale_bufs, uint8_t* __restrict__ scales_out, int scale_bytes) {
+  const int lane = threadIdx.x % 32;
+  const int warps = gridDim.x * (blockDim.x / 32);
+  const int64_t pairs = static_cast<int64_t>(ep - 1) * T;
+  const int lo = rank * nle;
+  for (int64_t i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; i < pairs; i += warps) {
+    const int q = static_cast<int>(i / T), t = static_cast<int>(i % T);
+    const int src = q < rank ? q : q + 1;
+    const int e = lane < k ? top_all[(static_cast<int64_t>(src) * T + t) * k + lane] : -1;
+    if (!__any_sync(0xffffffffu, e >= lo && e < lo + nle)) continue;
+    const int64_t at = static_cast<int64_t>(src) * T + t;
+    warp_copy_row(reinterpret_cast<uint4*>(rows_out + at * row_bytes),
+                  reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(row_bufs.p[src]) +
+                                                 static_cast<int64_t>(t) * row_bytes),
+                  row_bytes / 16, lane);
+    if (scales_out != nullptr)
+      warp_copy_row(reinterpret_cast<uint4*>(scales_out + at * scale_bytes),
+                    reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(scale_bufs.p[src]) +
+                                                   static_cast<int64_t>(t) * scale_bytes),
+                    scale_bytes / 16, lane);
+  }
+}
+
 }  // namespace
+
+const char* launch_pull_tokens(const int* top_all, int T, int k, int ep, int rank, int nle, const PeerPtrs& row_bufs,
+                               void* rows_out, int row_bytes, const PeerPtrs& scale_bufs, void* scales_out,
+                               int scale_bytes, int num_ctas, cudaStream_t stream) {
+  if (k < 1 || k > 32) return "mok pull_tokens: top-k must be 1 to 32";
+  if (row_bytes <= 0 || row_bytes % 16 || (scales_out != nullptr && (scale_bytes <= 0 || scale_bytes % 16)))
+    return "mok pull_tokens: row and scale-row bytes must be positive multiples of 16";
+  if (rank < 0 || rank >= ep) return "mok pull_tokens: rank outside the expert-parallel group";
+  if (ep < 2 || T <= 0) return nullptr;  // nothing remote
+  if (num_ctas <= 0) num_ctas = 4 * num_sms();
+  pull_tokens_kernel<<<num_ctas, 256, 0, stream>>>(top_all, T, k, ep, rank, nle, row_bufs,
+                                                   static_cast<uint8_t*>(rows_out), row_bytes, scale_bufs,
+                                                   static_cast<uint8_t*>(scales_out), scale_bytes);
+  return launch_status();
+}
 
 const char* launch_dispatch(const int* row_src_rank, const int* row_src_slot, const int* expert_offsets, int nle,
                             int capacity, const PeerPtrs& x_bufs, void* x_routed, int H, int k, int num_ctas,

@@ -113,7 +113,8 @@ def _suite(rank: int, world: int) -> list[str]:
     def fp8_backward(kind, shape):
         """The fp8 backward at EP=2 (e4m3 dgrads, the fc1 dgrad pushing the dx rows into the peer's
         slots) against the reference on the reference fp8 context; the same bits with the pushes in
-        bwd_push and with the side stream waiting for the pull, or off."""
+        bwd_push, with the side stream waiting for the pull, or off, and with grad_out's remote rows
+        pulled once (MOK_TOKEN_DEDUP=1)."""
         import os
 
         from megatron_mok import MoKConfig
@@ -130,7 +131,7 @@ def _suite(rank: int, world: int) -> list[str]:
         sync_poison(ws)
         errs = check_close(base, fp8_reference_grads(ws, top, w, g, cfg.dgrad_precision, cfg.wgrad_precision))
         for knob, value in (("MOK_FP8_PUSH", "0"), ("MOK_BWD_SIDE_EARLY", "0"), ("MOK_BWD_OVERLAP", "0"),
-                            ("MOK_WGRAD8_SIDE", "0")):
+                            ("MOK_WGRAD8_SIDE", "0"), ("MOK_TOKEN_DEDUP", "1")):
             os.environ[knob] = value
             try:
                 got = grads_list(kp.backward(cfg, ws, sched, ctx, g, *w))

@@ -440,3 +440,95 @@ def test_nonfinite_probs_raise(path, bad):
         kernel_path.FORWARD_PATH = default
     with pytest.raises(MoKInputError, match="token 37"):
         ws.check_errors(blocking=True)
+
+
+# ---- token dedup: remote tokens pulled once, then read locally --------------------------------------
+
+
+def _simulated_routing(ep, T, k, nle, gen):
+    """top_all [ep, T, k] of distinct experts (some tokens of every rank with none on rank 1), and
+    rank 1's routed rows (src rank, slot), a few padding rows between them."""
+    top = torch.stack([torch.randperm(ep * nle, generator=gen)[:k] for _ in range(ep * T)]).view(ep, T, k)
+    top[:, ::5] = torch.arange(k)  # these tokens use rank 0's experts only (nle >= k)
+    rank_rows, slot_rows = [], []
+    for src in range(ep):
+        for t in range(T):
+            for j in range(k):
+                if nle <= int(top[src, t, j]) < 2 * nle:
+                    rank_rows.append(src)
+                    slot_rows.append(t * k + j)
+            if t % 7 == 3:  # a padding row
+                rank_rows.append(-1)
+                slot_rows.append(-1)
+    return top.int(), torch.tensor(rank_rows, dtype=torch.int32), torch.tensor(slot_rows, dtype=torch.int32)
+
+
+def test_pull_tokens_then_local_dispatch_gives_the_same_rows():
+    """ops.pull_tokens at rank 1 of 3 simulated ranks (their buffers are local tensors): exactly the
+    other ranks' tokens with an expert on rank 1 are copied (rows and scale rows), nothing else is
+    written; dispatch_e4m3, dispatch and bwd_pull reading through ops.local_sources give the bits of
+    reading the peers directly; bad input raises named errors."""
+    from megatron_mok import ops
+
+    gen = torch.Generator().manual_seed(11)
+    ep, T, k, nle, H, pitch, rank = 3, 37, 4, 5, 256, 4, 1
+    top, src_rank, src_slot = _simulated_routing(ep, T, k, nle, gen)
+    top_d = top.to(DEV)
+    q = [torch.randint(0, 256, (T, H), generator=gen, dtype=torch.uint8).to(DEV) for _ in range(ep)]
+    s = [torch.randn(T, pitch, generator=gen).to(DEV) for _ in range(ep)]
+    q_out = torch.full((ep, T, H), 0xAB, dtype=torch.uint8, device=DEV)
+    s_out = torch.full((ep, T, pitch), float("nan"), device=DEV)
+    ops.pull_tokens(top_d, rank, nle, [t.data_ptr() for t in q], q_out, [t.data_ptr() for t in s], s_out, 3)
+    torch.cuda.synchronize()
+    here = ((top >= rank * nle) & (top < (rank + 1) * nle)).any(2)  # [ep, T]
+    for src in range(ep):
+        for t in range(T):
+            wanted = src != rank and bool(here[src, t])
+            if wanted:
+                assert torch.equal(q_out[src, t], q[src][t]) and torch.equal(s_out[src, t], s[src][t]), (src, t)
+            else:
+                assert bool((q_out[src, t] == 0xAB).all()) and bool(s_out[src, t].isnan().all()), (src, t)
+
+    # the e4m3 dispatch: direct peer reads against the local copies
+    cap = src_rank.numel() + 5
+    rr = torch.cat([src_rank, torch.full((5,), -1, dtype=torch.int32)]).to(DEV)
+    ss = torch.cat([src_slot, torch.full((5,), -1, dtype=torch.int32)]).to(DEV)
+    offsets = torch.tensor([0, cap // 2, cap], dtype=torch.int32, device=DEV)
+    outs = []
+    for q_ptrs, s_ptrs in (([t.data_ptr() for t in q], [t.data_ptr() for t in s]),
+                           (ops.local_sources([t.data_ptr() for t in q], rank, q_out),
+                            ops.local_sources([t.data_ptr() for t in s], rank, s_out))):
+        q_routed = torch.full((cap, H), 0x7F, dtype=torch.uint8, device=DEV).view(torch.float8_e4m3fn)
+        scale_t = torch.full((H // 128, cap + 3), float("nan"), device=DEV)
+        ops.dispatch_e4m3(rr, ss, offsets, q_routed, scale_t, q_ptrs, s_ptrs, pitch, k, 2)
+        outs.append((q_routed.view(torch.uint8), scale_t))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(bits(outs[0][1]), bits(outs[1][1]))
+
+    # bf16 rows (the bf16 dispatch and the backward's grad_out pull) through one copy
+    g = [torch.randn(T, H, generator=gen).bfloat16().to(DEV) for _ in range(ep)]
+    g_out = torch.empty((ep, T, H), dtype=torch.bfloat16, device=DEV)
+    ops.pull_tokens(top_d, rank, nle, [t.data_ptr() for t in g], g_out)
+    direct, local = [t.data_ptr() for t in g], ops.local_sources([t.data_ptr() for t in g], rank, g_out)
+    routed = [torch.full((cap, H), float("nan"), dtype=torch.bfloat16, device=DEV) for _ in range(2)]
+    for ptrs, out in zip((direct, local), routed):
+        ops.dispatch(rr, ss, offsets, out, ptrs, k, 0)
+    assert torch.equal(bits(routed[0]), bits(routed[1]))
+    probs = [torch.rand(T * k, generator=gen).to(DEV) for _ in range(ep)]
+    y = torch.randn(cap, H, generator=gen).bfloat16().to(DEV)
+    results = []
+    for ptrs in (direct, local):
+        dw = [torch.full((T * k,), float("nan"), device=DEV) for _ in range(ep)]
+        dy = torch.full((cap, H), float("nan"), dtype=torch.bfloat16, device=DEV)
+        ops.bwd_pull(rr, ss, offsets, y, dy, ptrs, [p.data_ptr() for p in probs], [d.data_ptr() for d in dw], k, 0)
+        results.append((dy, dw))
+    assert torch.equal(bits(results[0][0]), bits(results[1][0]))
+    for a, b in zip(results[0][1], results[1][1]):
+        assert torch.equal(bits(a), bits(b))
+
+    with pytest.raises(RuntimeError, match="top-k must be 1 to 32"):
+        ops.pull_tokens(torch.zeros(2, T, 33, dtype=torch.int32, device=DEV), 0, nle, direct[:2],
+                        torch.empty(2, T, H, dtype=torch.bfloat16, device=DEV))
+    with pytest.raises(RuntimeError, match="rows_out must be"):
+        ops.pull_tokens(top_d, rank, nle, direct, g_out[:2])
+    with pytest.raises(RuntimeError, match="one peer address per rank"):
+        ops.pull_tokens(top_d, rank, nle, direct[:2], g_out)

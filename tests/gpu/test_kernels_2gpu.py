@@ -107,6 +107,33 @@ def _suite(rank: int, world: int) -> list[str]:
 
     check("fp8_mega_equals_staged", fp8_mega_equals_staged)
 
+    def token_dedup_same_bits():
+        # remote tokens pulled once (MOK_TOKEN_DEDUP=1) against the direct pulls: the staged bf16 and
+        # fp8 forwards give the same bits (NaN-poisoned outputs and buffers), uneven and one-expert routing
+        import os
+
+        for precision in ("bf16", "fp8"):
+            for kind in ("skewed", "one_expert"):
+                cfg, ws, top, inputs, _ = make_case((512, 512, 256, 256, 16, 4), kind, 51 + rank, dev,
+                                                    cfg=MoKConfig(precision=precision), world=world)
+                sched = kp.build_schedule(cfg, ws, top)
+                outs = []
+                for dedup in ("0", "1"):
+                    os.environ["MOK_TOKEN_DEDUP"] = dedup
+                    try:
+                        poison_internal(ws)
+                        out = torch.full((512, 512), float("nan"), dtype=torch.bfloat16, device=dev)
+                        out, _ = kp.forward(cfg, ws, sched, *inputs, out=out, path="staged")
+                        torch.cuda.synchronize()
+                        outs.append(out.clone())
+                    finally:
+                        os.environ.pop("MOK_TOKEN_DEDUP")
+                    dist.barrier()  # no peer still reads this rank's buffers
+                assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), f"{precision} {kind}"
+                ws.check_errors(blocking=True)
+
+    check("token_dedup_forward_same_bits", token_dedup_same_bits)
+
     def capacity_overflow():
         cfg, ws, top, (x, probs, fc1, fc2, _, _), _ = make_case(  # one_expert: all rows on rank 0
             (4096, 256, 128, 0, 16, 2), "one_expert", 9, dev, cfg=MoKConfig(capacity_factor=0.05), world=world)
