@@ -73,9 +73,6 @@ const char* launch_dispatch(const int* row_src_rank, const int* row_src_slot, co
                             int capacity, const PeerPtrs& x_bufs, void* x_routed, int H, int k, int num_ctas,
                             cudaStream_t stream);
 
-// The e4m3 dispatch: routed row i <- row row_src_slot[i] / k of rank row_src_rank[i]'s q [T, H]
-// e4m3, and its H / 128 scales (that rank's s [T, scale_pitch] fp32) -> scale_t[kb * scale_ld + i],
-// the layout launch_expert_gemm_fp8 reads (scale_ld >= capacity); padding rows get zeros.
 // Token t of every source rank src != rank whose k experts (top_all [ep, T, k]) include one of
 // this rank's (global ids rank * nle .. + nle - 1) -> rows_out[src][t] (row_bytes, from row_bufs[src]
 // row t) and, if scales_out is given, scales_out[src][t] (scale_bytes, from scale_bufs[src]): the
@@ -84,6 +81,9 @@ const char* launch_pull_tokens(const int* top_all, int T, int k, int ep, int ran
                                void* rows_out, int row_bytes, const PeerPtrs& scale_bufs, void* scales_out,
                                int scale_bytes, int num_ctas, cudaStream_t stream);
 
+// The e4m3 dispatch: routed row i <- row row_src_slot[i] / k of rank row_src_rank[i]'s q [T, H]
+// e4m3, and its H / 128 scales (that rank's s [T, scale_pitch] fp32) -> scale_t[kb * scale_ld + i],
+// the layout launch_expert_gemm_fp8 reads (scale_ld >= capacity); padding rows get zeros.
 const char* launch_dispatch_e4m3(const int* row_src_rank, const int* row_src_slot, const int* expert_offsets, int nle,
                                  int capacity, const PeerPtrs& q_bufs, void* q_routed, int H, const PeerPtrs& s_bufs,
                                  int scale_pitch, float* scale_t, int64_t scale_ld, int k, int num_ctas,
