@@ -109,7 +109,8 @@ def _suite(rank: int, world: int) -> list[str]:
 
     def token_dedup_same_bits():
         # remote tokens pulled once (MOK_TOKEN_DEDUP=1) against the direct pulls: the staged bf16 and
-        # fp8 forwards give the same bits (NaN-poisoned outputs and buffers), uneven and one-expert routing
+        # fp8 forwards give the same bits (NaN-poisoned outputs and buffers), uneven and one-expert
+        # routing; then graph replay equals eager with the dedup on
         import os
 
         for precision in ("bf16", "fp8"):
@@ -131,8 +132,17 @@ def _suite(rank: int, world: int) -> list[str]:
                     dist.barrier()  # no peer still reads this rank's buffers
                 assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), f"{precision} {kind}"
                 ws.check_errors(blocking=True)
+        # and captured in a CUDA graph (the local copies come from the graph's pool)
+        os.environ["MOK_TOKEN_DEDUP"] = "1"
+        try:
+            cfg, ws, top, inputs, _ = make_case((384, 256, 128, 128, 8, 2), "random", 5 + rank, dev,
+                                                cfg=MoKConfig(precision="fp8"), world=world)
+            check_forward_graph_equals_eager(cfg, ws, top, inputs, before_capture=dist.barrier)
+            ws.check_errors(blocking=True)
+        finally:
+            os.environ.pop("MOK_TOKEN_DEDUP")
 
-    check("token_dedup_forward_same_bits", token_dedup_same_bits)
+    check("token_dedup_forward_same_bits_and_graph", token_dedup_same_bits)
 
     def capacity_overflow():
         cfg, ws, top, (x, probs, fc1, fc2, _, _), _ = make_case(  # one_expert: all rows on rank 0
