@@ -238,13 +238,14 @@ def _published_x_e4m3(ws):
 
 def _publish_fp8(cfg, ws, x):
     """Quantize this rank's rows into symmetric buffers (one scale per row and 128 columns), then a
-    barrier. Returns (peer e4m3 rows, peer scale rows, scale pitch in floats)."""
+    barrier. Returns ``_x_e4m3_buffers``' answer: (e4m3 rows, their peer pointers), (scale rows, their
+    peer pointers), scale pitch in floats."""
     c = _comm(ws)
-    (q_sym, q_ptrs), (s_sym, s_ptrs), pitch = _x_e4m3_buffers(ws)
-    ops.quantize_rows_e4m3_into(x.contiguous(), q_sym.view(torch.float8_e4m3fn), s_sym.view(torch.float32),
+    rows, scales, pitch = _x_e4m3_buffers(ws)
+    ops.quantize_rows_e4m3_into(x.contiguous(), rows[0].view(torch.float8_e4m3fn), scales[0].view(torch.float32),
                                 scale_rows=True)
     ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
-    return q_ptrs, s_ptrs, pitch
+    return rows, scales, pitch
 
 
 def _token_dedup_enabled(ws) -> bool:
@@ -274,10 +275,9 @@ def _dispatch_fp8(cfg, ws, sched, x, comm_ctas, during_dispatch=None):
     (x_e4m3 [cap, H], x_scale [H / 128, ld] fp32: the layout ``expert_gemm_fp8`` reads, written by
     the dispatch itself)."""
     H, k, cap = ws.hidden, ws.topk, sched.capacity
-    q_ptrs, s_ptrs, pitch = _publish_fp8(cfg, ws, x)
+    rows, scales, pitch = _publish_fp8(cfg, ws, x)
     started = _mark(during_dispatch)
-    (q_sym, _), (s_sym, _), _ = _x_e4m3_buffers(ws)
-    q_ptrs, s_ptrs = _pulled_once(ws, sched, [(q_sym, q_ptrs), (s_sym, s_ptrs)], comm_ctas)
+    q_ptrs, s_ptrs = _pulled_once(ws, sched, [rows, scales], comm_ctas)
     q_routed, s_routed = ops.empty_rows_e4m3(cap, H, ws.device)
     ops.dispatch_e4m3(sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, q_routed, s_routed, q_ptrs, s_ptrs,
                       pitch, k, comm_ctas)
@@ -495,7 +495,7 @@ def _forward_mega(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, ou
     quant = None
     if cfg.precision == "fp8":  # e4m3 rows published; the kernel pulls and quantizes the rest
         w8 = fp8_weights or quantize_expert_weights(fc1, fc2)
-        x_ptrs, s_ptrs, pitch = _publish_fp8(cfg, ws, x)
+        (_, x_ptrs), (_, s_ptrs), pitch = _publish_fp8(cfg, ws, x)
         e4m3, f32 = dict(dtype=torch.float8_e4m3fn, device=ws.device), dict(dtype=torch.float32, device=ws.device)
         quant = ops.MegaFP8(w8.fc1.q, w8.fc1.scale, w8.fc2.q, w8.fc2.scale, torch.empty((cap, H), **e4m3),
                             torch.empty((H // fp8.BLOCK, cap), **f32), torch.empty((cap, I), **e4m3),

@@ -56,16 +56,15 @@ __global__ void pull_tokens_kernel(const int* __restrict__ top_all, int T, int k
     const int src = q < rank ? q : q + 1;
     const int e = lane < k ? top_all[(static_cast<int64_t>(src) * T + t) * k + lane] : -1;
     if (!__any_sync(0xffffffffu, e >= lo && e < lo + nle)) continue;
-    const int64_t at = static_cast<int64_t>(src) * T + t;
-    warp_copy_row(reinterpret_cast<uint4*>(rows_out + at * row_bytes),
-                  reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(row_bufs.p[src]) +
-                                                 static_cast<int64_t>(t) * row_bytes),
-                  row_bytes / 16, lane);
-    if (scales_out != nullptr)
-      warp_copy_row(reinterpret_cast<uint4*>(scales_out + at * scale_bytes),
-                    reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(scale_bufs.p[src]) +
-                                                   static_cast<int64_t>(t) * scale_bytes),
-                    scale_bytes / 16, lane);
+    // row t of src's buffer -> row (src, t) of the local copy
+    auto copy = [&](const PeerPtrs& bufs, uint8_t* out, int bytes) {
+      warp_copy_row(reinterpret_cast<uint4*>(out + (static_cast<int64_t>(src) * T + t) * bytes),
+                    reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(bufs.p[src]) +
+                                                   static_cast<int64_t>(t) * bytes),
+                    bytes / 16, lane);
+    };
+    copy(row_bufs, rows_out, row_bytes);
+    if (scales_out != nullptr) copy(scale_bufs, scales_out, scale_bytes);
   }
 }
 
