@@ -136,63 +136,67 @@ struct ScaleLayout {
   __device__ __forceinline__ int64_t at(int64_t r, int kb) const { return r * row_stride + kb * kb_stride; }
 };
 
-constexpr int kItemsPerHalfWarp = 2;  // (row, block) items whose loads a half warp has in flight
+// Eight lanes per (row, 128-column block) item, 16 columns a lane as two 16-byte loads: q =
+// e4m3(x * 448 / amax') (round to nearest even, saturating), scale amax' / 448. Lane l holds the
+// block's columns 8 l .. 8 l + 7 and 64 + 8 l .. 64 + 8 l + 7, so each load and each 8-byte store of
+// the eight lanes covers 128 and 64 contiguous bytes. gate_up_pairs: x [rows, K] holds [gate | up]
+// (K / 2 columns each) and q's block kb is gate columns 64 kb .. 64 kb + 63, then the same up
+// columns (the K order of fc1's transposed e4m3 copy): the same lanes, other source columns.
+// A lane group takes kGroupItems consecutive items (row-major over (row, kb); int32: the launcher
+// checks), their four loads issued before any is used. Measured (seventeenth session, alone): 3.4-3.6
+// TB/s, as the half-warp kernel before it in plain order and 19% faster in gate/up pair order.
+constexpr int kGroupItems = 2;
 
-// Half a warp per (row, 128-column block), 8 columns a lane (16-byte loads), the loads of
-// kItemsPerHalfWarp items issued first: q = e4m3(x * 448 / amax') (round to nearest even,
-// saturating), scale amax' / 448. gate_up_pairs: x [rows, K] holds [gate | up] (K / 2 columns
-// each) and q's block kb is gate columns 64 kb .. 64 kb + 63, then the same up columns (the K order
-// of fc1's transposed e4m3 copy).
 __global__ void __launch_bounds__(256) quantize_rows_e4m3_kernel(const __nv_bfloat16* __restrict__ x,
                                                                  uint8_t* __restrict__ q, float* __restrict__ scale,
                                                                  int64_t rows, int K, ScaleLayout sl,
                                                                  const int* rows_end, bool gate_up_pairs) {
   if (rows_end != nullptr) rows = min(rows, (int64_t)max(0, *rows_end));
-  const int half = threadIdx.x % 32 / 16, lane = threadIdx.x % 16;
   const int nkb = K / 128;
-  constexpr int kPerWarp = 2 * kItemsPerHalfWarp;
-  // (row, block) items in row-major order, kPerWarp consecutive ones a warp; the warp's first item
-  // advances by (step_r rows, step_kb blocks) per iteration: no division in the loop
-  const int64_t warp = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  const int64_t step = kPerWarp * (int64_t)gridDim.x * (blockDim.x / 32);
-  const int64_t step_r = step / nkb;
-  const int step_kb = static_cast<int>(step % nkb);
-  int64_t r0 = kPerWarp * warp / nkb;
-  int kb0 = static_cast<int>(kPerWarp * warp % nkb);
-  for (; r0 < rows; r0 += step_r, kb0 += step_kb) {
-    if (kb0 >= nkb) {
-      kb0 -= nkb;
-      ++r0;
-      if (r0 >= rows) break;
-    }
-    float v[kItemsPerHalfWarp][8];
-    int64_t q_off[kItemsPerHalfWarp];
-    int64_t r[kItemsPerHalfWarp];
-    int kb[kItemsPerHalfWarp];
+  const int items = static_cast<int>(rows) * nkb;
+  const int l8 = threadIdx.x % 8;
+  // the lane's two 8-column pieces of block kb: source columns c0 + 64 kb, c1 + 64 kb (pairs) or
+  // c0 + 128 kb, c1 + 128 kb; q bytes 8 l8 and 64 + 8 l8 of the block
+  const int c0 = 8 * l8, c1 = (gate_up_pairs ? K / 2 : 64) + 8 * l8, kb_cols = gate_up_pairs ? 64 : 128;
+  const int groups = gridDim.x * (blockDim.x / 8);
+  for (int first = kGroupItems * ((int)blockIdx.x * (blockDim.x / 8) + (int)threadIdx.x / 8); first < items;
+       first += kGroupItems * groups) {
+    float v[kGroupItems][16];
 #pragma unroll
-    for (int u = 0; u < kItemsPerHalfWarp; ++u) {
-      int b = kb0 + 2 * u + half;
-      int64_t row = r0;
-      while (b >= nkb) {  // at most kPerWarp steps (nkb >= 1)
-        b -= nkb;
-        ++row;
-      }
-      const bool live = row < rows;  // the whole warp shuffles, also an idle half
-      r[u] = live ? row : -1;
-      kb[u] = b;
-      q_off[u] = row * K + b * 128 + 8 * lane;
-      const int64_t x_off = gate_up_pairs ? row * K + (lane < 8 ? 0 : K / 2) + 64 * b + 8 * (lane % 8) : q_off[u];
-      if (live) {
-        unpack8(ld16(x + x_off), v[u]);
+    for (int u = 0; u < kGroupItems; ++u) {
+      const int item = first + u;
+      if (item < items) {
+        const int row = item / nkb, kb = item - row * nkb;
+        const __nv_bfloat16* src = x + (int64_t)row * K + kb * kb_cols;
+        float(&lo)[8] = *reinterpret_cast<float(*)[8]>(&v[u][0]);
+        float(&hi)[8] = *reinterpret_cast<float(*)[8]>(&v[u][8]);
+        unpack8(ld16(src + c0), lo);
+        unpack8(ld16(src + c1), hi);
       } else {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) v[u][j] = 0.f;
+        for (int j = 0; j < 16; ++j) v[u][j] = 0.f;
       }
     }
 #pragma unroll
-    for (int u = 0; u < kItemsPerHalfWarp; ++u) {
-      const float amax = e4m3::half_warp_amax(v[u]);
-      if (r[u] >= 0) e4m3::store_half_warp_block(v[u], amax, q + q_off[u], scale + sl.at(r[u], kb[u]), lane);
+    for (int u = 0; u < kGroupItems; ++u) {
+      const int item = first + u;
+      float amax = 0.f;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fabsf(v[u][j]));
+#pragma unroll
+      for (int o = 4; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      if (item < items) {
+        const int row = item / nkb, kb = item - row * nkb;
+        const float2 si = e4m3::scale_and_inverse(amax);
+        uint8_t* dst = q + (int64_t)row * K + kb * 128 + 8 * l8;
+        const float* a = v[u];
+        *reinterpret_cast<uint2*>(dst) = make_uint2(e4m3::pack4(a[0] * si.y, a[1] * si.y, a[2] * si.y, a[3] * si.y),
+                                                    e4m3::pack4(a[4] * si.y, a[5] * si.y, a[6] * si.y, a[7] * si.y));
+        *reinterpret_cast<uint2*>(dst + 64) =
+            make_uint2(e4m3::pack4(a[8] * si.y, a[9] * si.y, a[10] * si.y, a[11] * si.y),
+                       e4m3::pack4(a[12] * si.y, a[13] * si.y, a[14] * si.y, a[15] * si.y));
+        if (l8 == 0) scale[sl.at(row, kb)] = si.x;
+      }
     }
   }
 }
@@ -507,9 +511,11 @@ const char* launch_quantize_rows_e4m3(const void* x, int64_t rows, int K, void* 
   if (rows <= 0) return nullptr;
   if (K <= 0 || K % 128) return "mok quantize_rows_e4m3: K must be a positive multiple of 128";
   if (!aligned16(x) || !aligned16(q)) return "mok quantize_rows_e4m3: x and q must be 16-byte aligned";
-  const int64_t per_warp = 2 * kItemsPerHalfWarp;  // (row, block) items
-  const int64_t warps = (rows * (K / 128) + per_warp - 1) / per_warp;
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((warps + 7) / 8, 16 * (int64_t)num_sms()));
+  if (rows * (K / 128) > INT32_MAX) return "mok quantize_rows_e4m3: more than 2^31 (row, 128-column) blocks";
+  // 32 lane groups a CTA, kGroupItems items each a round; at most 8 CTAs an SM's worth of rounds
+  // in flight (the rest by the grid stride)
+  const int64_t groups = (rows * (K / 128) + kGroupItems - 1) / kGroupItems;
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((groups + 31) / 32, 8 * (int64_t)num_sms()));
   quantize_rows_e4m3_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(x), static_cast<uint8_t*>(q), scale, rows, K,
       ScaleLayout{scale_row_stride, scale_kb_stride}, rows_end, gate_up_pairs);
