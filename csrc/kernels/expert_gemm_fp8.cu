@@ -161,20 +161,18 @@ __global__ void __launch_bounds__(256) quantize_rows_e4m3_kernel(const __nv_bflo
   const int groups = gridDim.x * (blockDim.x / 8);
   for (int first = kGroupItems * ((int)blockIdx.x * (blockDim.x / 8) + (int)threadIdx.x / 8); first < items;
        first += kGroupItems * groups) {
-    float v[kGroupItems][16];
+    float v[kGroupItems][2][8];  // the lane's two pieces of each item
 #pragma unroll
     for (int u = 0; u < kGroupItems; ++u) {
       const int item = first + u;
       if (item < items) {
         const int row = item / nkb, kb = item - row * nkb;
         const __nv_bfloat16* src = x + (int64_t)row * K + kb * kb_cols;
-        float(&lo)[8] = *reinterpret_cast<float(*)[8]>(&v[u][0]);
-        float(&hi)[8] = *reinterpret_cast<float(*)[8]>(&v[u][8]);
-        unpack8(ld16(src + c0), lo);
-        unpack8(ld16(src + c1), hi);
+        unpack8(ld16(src + c0), v[u][0]);
+        unpack8(ld16(src + c1), v[u][1]);
       } else {
 #pragma unroll
-        for (int j = 0; j < 16; ++j) v[u][j] = 0.f;
+        for (int j = 0; j < 16; ++j) v[u][j / 8][j % 8] = 0.f;
       }
     }
 #pragma unroll
@@ -182,19 +180,15 @@ __global__ void __launch_bounds__(256) quantize_rows_e4m3_kernel(const __nv_bflo
       const int item = first + u;
       float amax = 0.f;
 #pragma unroll
-      for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fabsf(v[u][j]));
+      for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fabsf(v[u][j / 8][j % 8]));
 #pragma unroll
       for (int o = 4; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
       if (item < items) {
         const int row = item / nkb, kb = item - row * nkb;
         const float2 si = e4m3::scale_and_inverse(amax);
         uint8_t* dst = q + (int64_t)row * K + kb * 128 + 8 * l8;
-        const float* a = v[u];
-        *reinterpret_cast<uint2*>(dst) = make_uint2(e4m3::pack4(a[0] * si.y, a[1] * si.y, a[2] * si.y, a[3] * si.y),
-                                                    e4m3::pack4(a[4] * si.y, a[5] * si.y, a[6] * si.y, a[7] * si.y));
-        *reinterpret_cast<uint2*>(dst + 64) =
-            make_uint2(e4m3::pack4(a[8] * si.y, a[9] * si.y, a[10] * si.y, a[11] * si.y),
-                       e4m3::pack4(a[12] * si.y, a[13] * si.y, a[14] * si.y, a[15] * si.y));
+        *reinterpret_cast<uint2*>(dst) = e4m3::pack8(v[u][0], si.y);
+        *reinterpret_cast<uint2*>(dst + 64) = e4m3::pack8(v[u][1], si.y);
         if (l8 == 0) scale[sl.at(row, kb)] = si.x;
       }
     }
