@@ -52,6 +52,17 @@ __device__ __forceinline__ float half_warp_amax(const float (&v)[8]) {
   return amax;
 }
 
+// amax of a 128-value block held 16 per lane, as two pieces of 8, by 8 consecutive lanes. Every lane
+// of the warp must call it (the shuffles span the warp; the groups of 8 do not mix).
+__device__ __forceinline__ float octet_amax(const float (&a)[8], const float (&b)[8]) {
+  float amax = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fmaxf(fabsf(a[j]), fabsf(b[j])));
+#pragma unroll
+  for (int o = 4; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  return amax;
+}
+
 // A half warp's quantized block: 8 bytes a lane at q, and (lane 0 of the half) the scale.
 __device__ __forceinline__ void store_half_warp_block(const float (&v)[8], float amax, uint8_t* q, float* scale,
                                                       int half_lane) {

@@ -542,13 +542,10 @@ struct PairBlockE4m3 {
 // scale. Every lane of the warp calls it (the shuffles); live: the row is real (the same for all 8).
 __device__ __forceinline__ void store_pair_block_e4m3(const PairBlockE4m3& e4, uint4 dg, uint4 du, bool live,
                                                       uint8_t* q_row, int r, int kb, int piece) {
-  float g[8], u[8], amax = 0.f;
+  float g[8], u[8];
   unpack8(dg, g);
   unpack8(du, u);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fmaxf(fabsf(g[j]), fabsf(u[j])));
-#pragma unroll
-  for (int o = 4; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float amax = e4m3::octet_amax(g, u);
   if (!live) return;
   const float2 si = e4m3::scale_and_inverse(amax);
   uint8_t* q = q_row + kb * 128 + 8 * piece;

@@ -178,11 +178,7 @@ __global__ void __launch_bounds__(256) quantize_rows_e4m3_kernel(const __nv_bflo
 #pragma unroll
     for (int u = 0; u < kGroupItems; ++u) {
       const int item = first + u;
-      float amax = 0.f;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fabsf(v[u][j / 8][j % 8]));
-#pragma unroll
-      for (int o = 4; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      const float amax = e4m3::octet_amax(v[u][0], v[u][1]);
       if (item < items) {
         const int row = item / nkb, kb = item - row * nkb;
         const float2 si = e4m3::scale_and_inverse(amax);
