@@ -162,12 +162,14 @@ __global__ void __launch_bounds__(256) quantize_rows_e4m3_kernel(const __nv_bflo
   for (int first = kGroupItems * ((int)blockIdx.x * (blockDim.x / 8) + (int)threadIdx.x / 8); first < items;
        first += kGroupItems * groups) {
     float v[kGroupItems][2][8];  // the lane's two pieces of each item
+    int row[kGroupItems], kb[kGroupItems];
 #pragma unroll
     for (int u = 0; u < kGroupItems; ++u) {
       const int item = first + u;
+      row[u] = item / nkb;
+      kb[u] = item - row[u] * nkb;
       if (item < items) {
-        const int row = item / nkb, kb = item - row * nkb;
-        const __nv_bfloat16* src = x + (int64_t)row * K + kb * kb_cols;
+        const __nv_bfloat16* src = x + (int64_t)row[u] * K + kb[u] * kb_cols;
         unpack8(ld16(src + c0), v[u][0]);
         unpack8(ld16(src + c1), v[u][1]);
       } else {
@@ -180,12 +182,11 @@ __global__ void __launch_bounds__(256) quantize_rows_e4m3_kernel(const __nv_bflo
       const int item = first + u;
       const float amax = e4m3::octet_amax(v[u][0], v[u][1]);
       if (item < items) {
-        const int row = item / nkb, kb = item - row * nkb;
         const float2 si = e4m3::scale_and_inverse(amax);
-        uint8_t* dst = q + (int64_t)row * K + kb * 128 + 8 * l8;
+        uint8_t* dst = q + (int64_t)row[u] * K + kb[u] * 128 + 8 * l8;
         *reinterpret_cast<uint2*>(dst) = e4m3::pack8(v[u][0], si.y);
         *reinterpret_cast<uint2*>(dst + 64) = e4m3::pack8(v[u][1], si.y);
-        if (l8 == 0) scale[sl.at(row, kb)] = si.x;
+        if (l8 == 0) scale[sl.at(row[u], kb[u])] = si.x;
       }
     }
   }
