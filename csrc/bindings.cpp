@@ -452,11 +452,15 @@ EpilogueArgs epilogue_args(const Tensor& comb, const Tensor& probs, const std::o
   return {static_cast<int>(T), static_cast<int>(H), static_cast<int>(k), sy};
 }
 
-void moe_epilogue(const Tensor& comb, const Tensor& probs, const std::optional<Tensor>& shared_y, Tensor& out) {
+// errors (optional): NaN/inf router weights are flagged there (functional.flag_nonfinite_probs' value).
+void moe_epilogue(const Tensor& comb, const Tensor& probs, const std::optional<Tensor>& shared_y, Tensor& out,
+                  const std::optional<Tensor>& errors) {
   const EpilogueArgs e = epilogue_args(comb, probs, shared_y, out);
+  if (errors.has_value()) check_cuda(*errors, "errors", at::kInt);
   c10::cuda::CUDAGuard guard(out.device());
   check(mok::launch_epilogue(comb.data_ptr(), probs.data_ptr<float>(), e.shared_y, out.data_ptr(), e.T, e.k, e.H,
-                             nullptr, nullptr, nullptr, 1, 0, current_stream()));
+                             nullptr, nullptr, errors.has_value() ? errors->data_ptr<int>() : nullptr, 1, 0,
+                             current_stream()));
 }
 
 // The epilogue behind the closing half of the barrier the megakernel opened (peer_flags[rank] is
@@ -1046,7 +1050,7 @@ TORCH_LIBRARY(megatron_mok, m) {
   m.def(
       "combine(Tensor y, Tensor row_src_rank, Tensor row_src_slot, Tensor expert_offsets, Tensor(a!) state, "
       "int[] peer_comb, int num_ctas) -> ()");
-  m.def("moe_epilogue(Tensor comb, Tensor probs, Tensor? shared_y, Tensor(a!) out) -> ()");
+  m.def("moe_epilogue(Tensor comb, Tensor probs, Tensor? shared_y, Tensor(a!) out, Tensor(b!)? errors=None) -> ()");
   m.def(
       "moe_epilogue_wait(Tensor comb, Tensor probs, Tensor? shared_y, Tensor(a!) out, Tensor state, Tensor(b!) errors, "
       "int[] peer_flags, int rank, float timeout_s) -> ()");

@@ -552,11 +552,12 @@ def _forward_mega(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, ou
 
 def checks_probs_on_device(ws: MoKWorkspace, x, fc1, shared_fc1=None, path: str | None = None,
                            precision: str = "bf16") -> bool:
-    """True when ``forward`` with these arguments flags non-finite ``probs`` itself (the mega path,
-    inside ``publish_barrier``); the staged (also every fp8) and reference paths leave that to the
-    caller (``functional.flag_nonfinite_probs``)."""
-    return (forward_path(path, precision) == "mega" and precision != "fp8"
-            and _unsupported_reason(ws, x, fc1, shared_fc1) is None)
+    """True when ``forward`` with these arguments flags non-finite ``probs`` itself: every kernel path
+    does, in its epilogue launch (``moe_epilogue`` / ``moe_epilogue_wait`` with ``ws.errors``), which
+    reads the weights anyway; the reference path leaves it to the caller
+    (``functional.flag_nonfinite_probs``)."""
+    forward_path(path, precision)  # a bad path or MOK_FORWARD raises here as in forward
+    return _unsupported_reason(ws, x, fc1, shared_fc1) is None
 
 
 def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1, fc2, shared_fc1=None,
@@ -637,7 +638,7 @@ def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1,
                 t.record_stream(main)
     if out is None:
         out = torch.empty((T, H), dtype=torch.bfloat16, device=ws.device)
-    ops.moe_epilogue(comb, probs.contiguous(), shared_y, out)
+    ops.moe_epilogue(comb, probs.contiguous(), shared_y, out, ws.errors)
     return out, ctx
 
 

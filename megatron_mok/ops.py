@@ -233,8 +233,11 @@ def combine(y, row_src_rank, row_src_slot, expert_offsets, state, peer_comb: lis
     _ops().combine(y, row_src_rank, row_src_slot, expert_offsets, state, peer_comb, num_ctas)
 
 
-def moe_epilogue(comb, probs, shared_y, out) -> None:
-    _ops().moe_epilogue(comb, probs, shared_y, out)
+def moe_epilogue(comb, probs, shared_y, out, errors=None) -> None:
+    """``out[t] = sum_s probs[t, s] * comb[t * k + s]`` in slot order (fp32) ``+ shared_y[t]``, cast once;
+    ``errors`` (optional): NaN/inf router weights are flagged there as ``functional.flag_nonfinite_probs``
+    does."""
+    _ops().moe_epilogue(comb, probs, shared_y, out, errors)
 
 
 def moe_epilogue_wait(comb, probs, shared_y, out, state, errors, peer_flags: list[int], rank: int,

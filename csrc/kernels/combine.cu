@@ -4,7 +4,9 @@
 // the source rank's symmetric [T * k, H] buffer (16-byte stores over NVLink, no atomics).
 // epilogue: after a barrier, each rank sums its k slots per token in slot order in fp32 with
 // explicit round-to-nearest multiplies and adds (no FMA contraction, so the bits depend only on the
-// inputs), adds the shared expert output, and casts once.
+// inputs), adds the shared expert output, and casts once. With `errors` it also flags NaN/inf router
+// weights (errors[kErrNonfiniteProbs] = max(it, 1 + token), as functional.flag_nonfinite_probs):
+// the weights pass through it anyway, so the staged forward needs no separate check launches.
 #include "barrier.cuh"
 
 namespace mok {
@@ -16,7 +18,8 @@ __global__ void combine_kernel(const __nv_bfloat16* __restrict__ y, const int* _
   push_rows_to_source_slots(y, row_src_rank, row_src_slot, expert_offsets, nle, capacity, comb_bufs, H);
 }
 
-// grid (ceil(H / 8 / blockDim), T): one thread per 8 columns of one token.
+// grid (ceil(H / 8 / blockDim), T): one thread per 8 columns of one token; the token's first
+// thread checks its weights.
 __global__ void epilogue_kernel(const __nv_bfloat16* __restrict__ comb, const float* __restrict__ probs,
                                 const __nv_bfloat16* __restrict__ shared_y, __nv_bfloat16* __restrict__ out, int k,
                                 int H, const int* wait_flags, const int* state, int* errors, int ep,
@@ -33,6 +36,7 @@ __global__ void epilogue_kernel(const __nv_bfloat16* __restrict__ comb, const fl
   for (int j = 0; j < 8; ++j) acc[j] = 0.f;
   for (int s = 0; s < k; ++s) {
     const float p = probs[t * k + s];
+    if (c8 == 0 && errors != nullptr && !isfinite(p)) flag_max(errors + kErrNonfiniteProbs, static_cast<int>(t) + 1);
     float f[8];
     // .cg: the slots were written by peers during this forward (never through this SM's L1)
     unpack8(__ldcg(reinterpret_cast<const uint4*>(comb + (t * k + s) * H + c8 * 8)), f);

@@ -422,13 +422,17 @@ def test_bad_expert_ids_raise(bad):
     assert torch.equal(sched.top_experts_all[0].long(), top.clamp(-1, E).to(DEV))
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
 @pytest.mark.parametrize("path", ["mega", "staged"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_nonfinite_probs_raise(path, bad):
-    """The megakernel path checks probs inside publish_barrier; the staged path with torch ops."""
+def test_nonfinite_probs_raise(path, bad, precision):
+    """Every kernel forward flags NaN/inf router weights in its epilogue launch, which reads them
+    anyway (no separate check launches); the error names the token."""
     from megatron_mok import functional, kernel_path
 
-    cfg, ws, top, (x, probs, fc1, fc2, _, _), _ = make_case((256, 128, 128, 0, 8, 2), "random", 3, DEV)
+    cfg, ws, top, (x, probs, fc1, fc2, _, _), _ = make_case((256, 128, 128, 0, 8, 2), "random", 3, DEV,
+                                                            cfg=MoKConfig(precision=precision))
+    assert kernel_path.checks_probs_on_device(ws, x, fc1, path=path, precision=precision)
     probs = probs.clone()
     probs[37, 1] = bad
     sched = functional.build_schedule(cfg, ws, top)
