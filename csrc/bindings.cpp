@@ -76,27 +76,17 @@ void barrier_open(Tensor& state, std::vector<int64_t> peer_flags, int64_t rank) 
                                  static_cast<int>(peer_flags.size()), current_stream()));
 }
 
-// dst (this rank's symmetric buffer) <- src, then a barrier (one launch); probs (fp32 [T, k],
-// optional): non-finite router weights are flagged in errors before the barrier.
+// dst (this rank's symmetric buffer) <- src, then a barrier (one launch).
 void publish_barrier(const Tensor& src, Tensor& dst, Tensor& state, Tensor& errors, std::vector<int64_t> peer_flags,
-                     int64_t rank, double timeout_s, const std::optional<Tensor>& probs) {
+                     int64_t rank, double timeout_s) {
   TORCH_CHECK(src.is_cuda() && src.is_contiguous() && dst.is_cuda() && dst.is_contiguous(),
               "megatron_mok: publish_barrier src/dst must be contiguous CUDA tensors");
   TORCH_CHECK(src.scalar_type() == dst.scalar_type() && src.numel() == dst.numel(),
               "megatron_mok: publish_barrier src and dst differ in dtype or size");
   check_cuda(state, "state", at::kInt);
   check_cuda(errors, "errors", at::kInt);
-  const float* p = nullptr;
-  int n_probs = 0, k = 1;
-  if (probs.has_value()) {
-    check_cuda(*probs, "probs", at::kFloat);
-    TORCH_CHECK(probs->dim() == 2 && probs->size(1) > 0, "megatron_mok: probs must be [T, k]");
-    p = probs->data_ptr<float>();
-    n_probs = static_cast<int>(probs->numel());
-    k = static_cast<int>(probs->size(1));
-  }
   c10::cuda::CUDAGuard guard(src.device());
-  check(mok::launch_publish_barrier(src.data_ptr(), dst.data_ptr(), static_cast<int64_t>(src.nbytes()), p, n_probs, k,
+  check(mok::launch_publish_barrier(src.data_ptr(), dst.data_ptr(), static_cast<int64_t>(src.nbytes()),
                                     peers(peer_flags, "peer_flags"), state.data_ptr<int>(), errors.data_ptr<int>(),
                                     static_cast<int>(rank), static_cast<int>(peer_flags.size()),
                                     timeout_ns_of(timeout_s), current_stream()));
@@ -1016,7 +1006,7 @@ void bwd_megakernel(const Tensor& grad_out, const Tensor& x, const Tensor& fc1, 
 TORCH_LIBRARY(megatron_mok, m) {
   m.def(
       "publish_barrier(Tensor src, Tensor(a!) dst, Tensor(b!) state, Tensor(c!) errors, int[] peer_flags, int rank, "
-      "float timeout_s, Tensor? probs=None) -> ()");
+      "float timeout_s) -> ()");
   m.def("barrier(Tensor(a!) state, Tensor(b!) errors, int[] peer_flags, int rank, float timeout_s, int bump_gather) -> ()");
   m.def("barrier_open(Tensor(a!) state, int[] peer_flags, int rank) -> ()");
   m.def(

@@ -13,15 +13,15 @@ separated by in-kernel releases (csrc/kernels/schedule.cu).
 Forward, per rank, two implementations with the same bits (``path=`` or ``MOK_FORWARD``):
 
 * ``"mega"`` (default, stage 4), 3 launches:
-  1. ``publish_barrier``: copy ``x`` into this rank's symmetric ``x`` buffer, flag non-finite
-     ``probs`` (``ErrorCode.NONFINITE_PROBS``), device barrier;
+  1. ``publish_barrier``: copy ``x`` into this rank's symmetric ``x`` buffer, device barrier;
   2. ``megakernel``: the first ``fwd_comm_sms`` CTAs pull-dispatch the scheduled rows from the
      peers' ``x`` buffers (then compute); all CTAs run one fixed task list (shared gate/up, shared
      down, then per minibatch routed gate/up and down tiles) behind local ready counters; the
      down-GEMM epilogue pushes each routed output row into its slot of the source rank's
      symmetric ``[T * k, H]`` buffer; the last CTA opens the closing barrier;
   3. ``moe_epilogue_wait``: closes the barrier, then ``out[t] = sum_s probs[t, s] * slot[t, s]``
-     in fp32 in slot order, plus the shared expert output, cast once.
+     in fp32 in slot order, plus the shared expert output, cast once; it flags non-finite
+     ``probs`` (``ErrorCode.NONFINITE_PROBS``), as the staged path's epilogue does.
 * ``"staged"`` (stage 2), one launch per step: copy x, barrier, dispatch, 4 grouped GEMMs,
   combine, barrier, epilogue.
 
@@ -503,7 +503,7 @@ def _forward_mega(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, ou
         x_routed = torch.empty((0,), **bf16)
     else:
         xs, x_ptrs = c.buffer("x", (T, H), torch.bfloat16)
-        ops.publish_barrier(x, xs, c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s, probs.contiguous())
+        ops.publish_barrier(x, xs, c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
         x_routed = torch.empty((cap, H), **bf16)
     act = torch.empty((cap, I), **bf16)
     h = torch.empty((cap, 2 * I), **bf16) if cfg.save_gate_up or quant is not None else None

@@ -87,12 +87,9 @@ def megakernel_counter_ints(capacity: int, num_tokens: int, act_blocks: int = 0)
     return MEGA_COUNTER_HEADER + (2 + act_blocks) * (capacity // ROW_TILE) + math.ceil(num_tokens / ROW_TILE)
 
 
-def publish_barrier(src, dst, state, errors, peer_flags: list[int], rank: int, timeout_s: float,
-                    probs=None) -> None:
-    """``dst`` (this rank's symmetric buffer) <- ``src``, then a device barrier (one launch).
-    ``probs`` (fp32 ``[T, k]``, optional): NaN/inf router weights are flagged in ``errors`` as
-    ``functional.flag_nonfinite_probs`` does."""
-    _ops().publish_barrier(src, dst, state, errors, peer_flags, rank, float(timeout_s), probs)
+def publish_barrier(src, dst, state, errors, peer_flags: list[int], rank: int, timeout_s: float) -> None:
+    """``dst`` (this rank's symmetric buffer) <- ``src``, then a device barrier (one launch)."""
+    _ops().publish_barrier(src, dst, state, errors, peer_flags, rank, float(timeout_s))
 
 
 def barrier(state, errors, peer_flags: list[int], rank: int, timeout_s: float, bump_gather: bool = False) -> None:

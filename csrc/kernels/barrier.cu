@@ -22,25 +22,13 @@ __global__ void barrier_open_kernel(PeerPtrs flags, int* state, int rank, int ep
   barrier_open_block(flags, state, rank, ep, 0);
 }
 
-// errors[kErrNonfiniteProbs] = max(it, 1 + last token with a NaN/inf weight) over probs [n / k, k],
-// the value functional.flag_nonfinite_probs records. All threads of the grid (whole warps) call it.
-__device__ void flag_nonfinite_probs(const float* __restrict__ probs, int n, int k, int* errors) {
-  int worst = 0;
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
-    if (!isfinite(probs[i])) worst = max(worst, i / k + 1);
-  worst = __reduce_max_sync(0xffffffffu, worst);
-  if (threadIdx.x % 32 == 0 && worst > 0) flag_max(errors + kErrNonfiniteProbs, worst);
-}
-
-// dst <- src (16-byte vectors) and the probs check, then the last block to finish opens the
-// barrier: peers read dst only after they have seen this rank's epoch, and this rank goes on only
-// after every peer's copy.
+// dst <- src (16-byte vectors), then the last block to finish opens the barrier: peers read dst
+// only after they have seen this rank's epoch, and this rank goes on only after every peer's copy.
 __global__ void publish_barrier_kernel(const uint4* __restrict__ src, uint4* __restrict__ dst, int64_t n16,
-                                       const float* __restrict__ probs, int n_probs, int k, PeerPtrs flags,
-                                       int* state, int* errors, int rank, int ep, uint64_t timeout_ns) {
+                                       PeerPtrs flags, int* state, int* errors, int rank, int ep,
+                                       uint64_t timeout_ns) {
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n16; i += (int64_t)gridDim.x * blockDim.x)
     dst[i] = src[i];
-  if (probs != nullptr) flag_nonfinite_probs(probs, n_probs, k, errors);
   if (last_block_arrive(state + kStateArrive)) barrier_block(flags, state, errors, rank, ep, timeout_ns, 0);
 }
 
@@ -59,11 +47,9 @@ const char* launch_barrier_open(const PeerPtrs& flags, int* state, int rank, int
   return launch_status();
 }
 
-const char* launch_publish_barrier(const void* src, void* dst, int64_t bytes, const float* probs, int n_probs, int k,
-                                   const PeerPtrs& flags, int* state, int* errors, int rank, int ep,
-                                   uint64_t timeout_ns, cudaStream_t stream) {
+const char* launch_publish_barrier(const void* src, void* dst, int64_t bytes, const PeerPtrs& flags, int* state,
+                                   int* errors, int rank, int ep, uint64_t timeout_ns, cudaStream_t stream) {
   if (ep < 1 || ep > kMaxPeers || rank < 0 || rank >= ep) return "mok publish_barrier: bad rank / EP size";
-  if (probs != nullptr && (k < 1 || n_probs < 0 || n_probs % k)) return "mok publish_barrier: probs must be [T, k]";
   if (bytes % 16 || (reinterpret_cast<uintptr_t>(src) & 15) || (reinterpret_cast<uintptr_t>(dst) & 15))
     return "mok publish_barrier: src/dst must be 16-byte aligned, a multiple of 16 bytes";
   const int64_t n16 = bytes / 16;
@@ -71,8 +57,7 @@ const char* launch_publish_barrier(const void* src, void* dst, int64_t bytes, co
   const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((n16 + threads - 1) / threads,
                                                                              2 * num_sms())));
   publish_barrier_kernel<<<blocks, threads, 0, stream>>>(static_cast<const uint4*>(src), static_cast<uint4*>(dst),
-                                                         n16, probs, n_probs, k, flags, state, errors, rank, ep,
-                                                         timeout_ns);
+                                                         n16, flags, state, errors, rank, ep, timeout_ns);
   return launch_status();
 }
 

@@ -32,11 +32,8 @@ enum StateSlot : int {
 };
 
 // dst[0, bytes) <- src (this rank's symmetric x buffer), then a full barrier (one launch).
-// probs (fp32 [n_probs / k, k], may be null): errors[kErrNonfiniteProbs] = max(it, 1 + last token
-// with a NaN/inf weight), written before the barrier.
-const char* launch_publish_barrier(const void* src, void* dst, int64_t bytes, const float* probs, int n_probs, int k,
-                                   const PeerPtrs& flags, int* state, int* errors, int rank, int ep,
-                                   uint64_t timeout_ns, cudaStream_t stream);
+const char* launch_publish_barrier(const void* src, void* dst, int64_t bytes, const PeerPtrs& flags, int* state,
+                                   int* errors, int rank, int ep, uint64_t timeout_ns, cudaStream_t stream);
 
 // Cross-rank barrier on epoch counters: each rank stores its new epoch into slot `rank` of every
 // peer's symmetric int32 [ep] flag buffer (st.release.sys), then waits (ld.acquire.sys) until all

@@ -338,8 +338,8 @@ def test_megakernel_bits_independent_of_comm_sms_and_minibatch():
 
 
 def test_launch_counts():
-    """Schedule: 1 launch; megakernel forward: 3 (publish + probs check + barrier, megakernel,
-    epilogue), also through ``functional.forward``: 4 per layer forward (issue #3)."""
+    """Schedule: 1 launch; megakernel forward: 3 (publish + barrier, megakernel, epilogue + probs
+    check), also through ``functional.forward``: 4 per layer forward (issue #3)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
