@@ -140,7 +140,7 @@ def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1,
     check_inputs(ws, x, probs, fc1, fc2, shared_fc1, shared_fc2)
     _check_fp8(cfg, ws, fc1, fc2, fp8_weights)
     use_kernels = _use_kernels(x)
-    if not (use_kernels and _kernel_path().checks_probs_on_device(ws, x, fc1, shared_fc1, precision=cfg.precision)):
+    if not (use_kernels and _kernel_path().checks_probs_on_device(ws, x, fc1, shared_fc1)):
         flag_nonfinite_probs(ws, probs)  # the kernel paths check probs in their epilogue launch
     if use_kernels:
         if not torch.cuda.is_current_stream_capturing():

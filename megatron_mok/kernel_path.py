@@ -550,13 +550,11 @@ def _forward_mega(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, ou
     return out, KernelContext(x_routed, act, y_routed, shared_act, h, shared_h)
 
 
-def checks_probs_on_device(ws: MoKWorkspace, x, fc1, shared_fc1=None, path: str | None = None,
-                           precision: str = "bf16") -> bool:
+def checks_probs_on_device(ws: MoKWorkspace, x, fc1, shared_fc1=None) -> bool:
     """True when ``forward`` with these arguments flags non-finite ``probs`` itself: every kernel path
-    does, in its epilogue launch (``moe_epilogue`` / ``moe_epilogue_wait`` with ``ws.errors``), which
-    reads the weights anyway; the reference path leaves it to the caller
-    (``functional.flag_nonfinite_probs``)."""
-    forward_path(path, precision)  # a bad path or MOK_FORWARD raises here as in forward
+    (either path, either precision) does, in its epilogue launch (``moe_epilogue`` /
+    ``moe_epilogue_wait`` with ``ws.errors``), which reads the weights anyway; the reference
+    fallback leaves it to the caller (``functional.flag_nonfinite_probs``)."""
     return _unsupported_reason(ws, x, fc1, shared_fc1) is None
 
 
