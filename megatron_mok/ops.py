@@ -216,7 +216,9 @@ def expert_gemm_fp8(x8, x_scale, w8, w_scale, seg_offsets, seg_counts, out, swig
     layout (same bits; other values raise): ``rows`` (<= 128 token rows on wgmma's M side against
     two 128-row weight tiles), ``columns`` (the weights on the M side, up to 256 token rows;
     ``MOK_FP8_TASK_ROWS=128``: 128), ``pairs`` (columns in 2-CTA clusters sharing the token rows by
-    multicast) or ``auto`` (the default: pairs for SwiGLU, rows otherwise).
+    multicast) or ``auto`` (the default: pairs for SwiGLU, rows otherwise). The row tasks run in
+    2-CTA clusters whose chunk pairs share each weight tile by multicast (``MOK_FP8_ROW_PAIRS=1``,
+    the default; ``0``: one CTA a task).
     dh_e4m3 = (q [rows, 2 N] e4m3, scale [2 N / 128, ld] fp32) (with h): dh's e4m3 copy as well, the
     bits of ``quantize_rows_e4m3(dh, offsets[-1:], gate_up_pairs=True)``, written by the row tasks'
     epilogue (the other layouts quantize after the GEMM)."""

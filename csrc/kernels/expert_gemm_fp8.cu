@@ -93,7 +93,9 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
 
 // Row tasks (expert_gemm_fp8_rows.cuh): the tokens on wgmma's M side, <= 128 a task,
 // two 128-row weight tiles on its N side; persistent CTAs walk them round-robin, expert-major.
-template <Epilogue kEpi>
+// kPaired (MOK_FP8_ROW_PAIRS=1, the default): 2-CTA clusters walk xgemm8r::decode_pair's units,
+// each CTA one task of the unit, a chunk pair's weights loaded half each and multicast.
+template <Epilogue kEpi, bool kPaired = false>
 __global__ void __launch_bounds__(xgemm::kThreads, 1)
     expert_gemm_fp8_rows_kernel(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
                                 const __grid_constant__ CUtensorMap tmR, const __grid_constant__ xgemm8::Params p) {
@@ -101,10 +103,58 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
   __shared__ int chunk_prefix[xgemm::kMaxSeg + 1];
   const xgemm8r::Smem sm = xgemm8r::carve_smem(smem_raw);
   if (threadIdx.x < 32) xgemm::build_chunk_prefix<xgemm8r::kTok>(p.g, chunk_prefix);
-  gemm::init_ring_barriers(sm, xgemm8r::kStages);
-  __syncthreads();
-  const int tasks = xgemm8r::num_tasks(p.g, chunk_prefix);
+  if constexpr (kPaired) {
+    if (threadIdx.x == 32) {
+      for (int s = 0; s < xgemm8r::kStages; ++s) {
+        mbar_init(sm.full(s), 1);
+        mbar_init(sm.empty(s), gemm::empty_arrivals(true));
+      }
+      mbar_fence_init();
+    }
+    cluster_sync();  // the peer multicasts into this CTA's ring only after its barriers exist
+  } else {
+    gemm::init_ring_barriers(sm, xgemm8r::kStages);
+    __syncthreads();
+  }
   const int nk = xgemm8::k_blocks(p.g.K);
+  if constexpr (kPaired) {
+    // units of two tasks, one per CTA of the cluster (rank r = blockIdx.x % 2); the unit count,
+    // rank and stride re-read where used (held in registers through the main loop, they spilled)
+    auto units = [&] {
+      return *static_cast<const volatile int*>(chunk_prefix + p.g.nseg) * (xgemm8r::task_blocks(p.g) / 2);
+    };
+    auto decode = [&](int u, bool& shares_w) {
+      return xgemm8r::decode_pair(p.g, chunk_prefix, u, static_cast<int>(cluster_ctarank()), shares_w);
+    };
+    gemm::run_roles<24, 240>(
+        [&] {
+          tma_prefetch_desc(&tmW);
+          tma_prefetch_desc(&tmX);
+          tma_prefetch_desc(&tmR);
+          uint32_t it = 0;
+          for (int u = blockIdx.x / 2; u < units(); u += gridDim.x / 2) {
+            bool shares_w;
+            const xgemm::Task t = decode(u, shares_w);
+            xgemm8r::produce_task<kEpi == Epilogue::kSwiGLU, true>(p.g, &tmW, &tmX, &tmR, sm, t, it, shares_w);
+          }
+        },
+        [] {},
+        [&](int cw) {
+          float acc[128], sum[64];
+          uint32_t it = 0;
+          for (int u = blockIdx.x / 2; u < units(); u += gridDim.x / 2) {
+            bool shares_w;
+            const xgemm::Task t = decode(u, shares_w);
+            const float* ws = p.w_scale + ((int64_t)t.seg * p.g.n_blocks + xgemm8r::kTiles * t.block) * nk;
+            xgemm8r::mma_task<true>(p.g, sm, cw, t, acc, sum, it, ws);
+            xgemm8r::store_task<kEpi>(p, sm, decode(u, shares_w), cw, acc);
+          }
+        });
+    // no CTA leaves while its peer may still multicast into it or arrive on its barriers
+    cluster_sync();
+    return;
+  }
+  const int tasks = xgemm8r::num_tasks(p.g, chunk_prefix);
   gemm::run_roles<24, 240>(
       [&] {
         tma_prefetch_desc(&tmW);
@@ -384,12 +434,13 @@ decltype(&expert_gemm_fp8_kernel<Epilogue::kPlain, kChunk, kPaired>) pick_kernel
   }
 }
 
-decltype(&expert_gemm_fp8_rows_kernel<Epilogue::kPlain>) pick_rows_kernel(Epilogue e) {
+template <bool kPaired = false>
+decltype(&expert_gemm_fp8_rows_kernel<Epilogue::kPlain, kPaired>) pick_rows_kernel(Epilogue e) {
   switch (e) {
-    case Epilogue::kSwiGLU: return expert_gemm_fp8_rows_kernel<Epilogue::kSwiGLU>;
-    case Epilogue::kSwiGLUBackward: return expert_gemm_fp8_rows_kernel<Epilogue::kSwiGLUBackward>;
-    case Epilogue::kPlainPush: return expert_gemm_fp8_rows_kernel<Epilogue::kPlainPush>;
-    default: return expert_gemm_fp8_rows_kernel<Epilogue::kPlain>;
+    case Epilogue::kSwiGLU: return expert_gemm_fp8_rows_kernel<Epilogue::kSwiGLU, kPaired>;
+    case Epilogue::kSwiGLUBackward: return expert_gemm_fp8_rows_kernel<Epilogue::kSwiGLUBackward, kPaired>;
+    case Epilogue::kPlainPush: return expert_gemm_fp8_rows_kernel<Epilogue::kPlainPush, kPaired>;
+    default: return expert_gemm_fp8_rows_kernel<Epilogue::kPlain, kPaired>;
   }
 }
 
@@ -415,6 +466,15 @@ const char* task_layout(bool swiglu, TaskLayout* layout) {
   }
   *layout = TaskLayout::kColumns128;
   return strcmp(rows, "128") == 0 ? nullptr : "mok expert_gemm_fp8: MOK_FP8_TASK_ROWS must be 128 or 256";
+}
+
+// MOK_FP8_ROW_PAIRS: 1 (the default) runs the row-task launches in 2-CTA clusters whose chunk pairs
+// share their weights by multicast (xgemm8r::decode_pair; a weight-tile count that is not a
+// multiple of 4 runs unpaired); 0 one CTA a task (the A/B switch). Same bits.
+const char* row_pairs(bool* on) {
+  const char* v = getenv("MOK_FP8_ROW_PAIRS");
+  *on = v == nullptr || strcmp(v, "1") == 0;
+  return *on || strcmp(v, "0") == 0 ? nullptr : "mok expert_gemm_fp8: MOK_FP8_ROW_PAIRS must be 0 or 1";
 }
 
 }  // namespace
@@ -473,11 +533,16 @@ const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, in
   // dh's e4m3 copy: from the row tasks' epilogue, else by quantize_rows_e4m3 after the GEMM
   if (dh_q != nullptr && rows_layout)
     p.dh_e4m3 = xgemm::PairBlockE4m3{static_cast<uint8_t*>(dh_q), dh_q_scale, dh_q_ld};
-  // pairs need an even weight-block count (a cluster's two tasks are blocks 2 j, 2 j + 1 of a chunk)
-  const bool paired = layout == TaskLayout::kPairs && p.g.n_blocks % 2 == 0;
+  // pairs need an even weight-block count (a cluster's two tasks are blocks 2 j, 2 j + 1 of a
+  // chunk), row pairs whole pairs of tile pairs
+  bool rows_paired_wanted;
+  if (const char* m = row_pairs(&rows_paired_wanted)) return m;
+  const bool rows_paired = rows_layout && rows_paired_wanted && xgemm8r::pairs_fit(p.g);
+  const bool paired = (layout == TaskLayout::kPairs && p.g.n_blocks % 2 == 0) || rows_paired;
   const Epilogue epi = swiglu ? Epilogue::kSwiGLU
                                : (h != nullptr ? Epilogue::kSwiGLUBackward : (push ? Epilogue::kPlainPush : Epilogue::kPlain));
-  const auto kernel = rows_layout ? pick_rows_kernel(epi)
+  const auto kernel = rows_paired ? pick_rows_kernel<true>(epi)
+                      : rows_layout ? pick_rows_kernel(epi)
                       : paired    ? pick_kernel<xgemm8::kWideTok, true>(epi)
                                   : (task_tok == 128 ? pick_kernel<128>(epi) : pick_kernel<xgemm8::kWideTok>(epi));
   const int smem = rows_layout ? xgemm8r::kSmemBytes : xgemm8::kSmemBytes;
@@ -486,9 +551,9 @@ const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, in
   // CTAs (clusters: paired) the launch can run at once
   const int at_once = units_at_once(kernel, cfg, paired, "expert_gemm_fp8");
   if (at_once == 0) return "mok expert_gemm_fp8: cannot raise the shared-memory limit";
-  // row tasks and clusters take two weight blocks a unit
+  // row tasks and clusters take two weight blocks a unit; a row-pair cluster two row tasks
   const int64_t blocks = rows_layout || paired ? (p.g.n_blocks + 1) / 2 : p.g.n_blocks;
-  const int64_t max_units = ((int64_t)nseg + rows / task_tok + 1) * blocks;
+  const int64_t max_units = (((int64_t)nseg + rows / task_tok + 1) * blocks + (rows_paired ? 1 : 0)) / (rows_paired ? 2 : 1);
   const int64_t units = num_ctas > 0 ? (paired ? num_ctas / 2 : num_ctas) : at_once;
   cfg.gridDim = dim3(static_cast<unsigned>((paired ? 2 : 1) * std::max<int64_t>(1, std::min<int64_t>(units, max_units))));
   if (const char* m = launch_ex(cfg, kernel, tmW, tmX, tmR, p)) return m;

@@ -77,26 +77,65 @@ __device__ __forceinline__ xgemm::Task decode(const xgemm::Params& g, const int*
   return xgemm::make_task<kTok / xgemm::kTokAlign>(g, e, local / ch, local % ch, ch);
 }
 
+// Row pairs (MOK_FP8_ROW_PAIRS=1, the default; a multiple of 4 weight tiles, so tile pairs come in
+// pairs): the two CTAs of a 2-CTA cluster run two tasks in step:
+// - chunks 2 i and 2 i + 1 of an expert against one tile pair (CTA r: chunk 2 i + r), the weights
+//   shared (shares_w: CTA r loads tile r of the pair and multicasts it into both rings);
+// - an expert's odd last chunk against tile pairs 2 j and 2 j + 1 (CTA r: 2 j + r), each CTA
+//   loading its own operands (sharing the token boxes was no faster: docs/KERNELS.md).
+// Measured (nineteenth session, in the layer): the row kernels 4-12% faster where a full chunk
+// pairs with a short one (129-255 rows an expert), as fast with two full chunks.
+// Cluster unit P, expert-major, then tile pair, then chunk pair: an expert of c chunks has
+// c * nb / 2 units (nb tile pairs), so the units' prefix is the chunks' times nb / 2.
+__host__ __device__ __forceinline__ bool pairs_fit(const xgemm::Params& g) { return g.n_blocks % 4 == 0; }
+__device__ __forceinline__ int num_pair_units(const xgemm::Params& g, const int* prefix) {
+  return prefix[g.nseg] * (task_blocks(g) / 2);
+}
+__device__ __forceinline__ xgemm::Task decode_pair(const xgemm::Params& g, const int* prefix, int P, int rank,
+                                                   bool& shares_w) {
+  const int half = task_blocks(g) / 2;
+  const int e = xgemm::find_expert(g, prefix, P, half);
+  const int ch = prefix[e + 1] - prefix[e];
+  const int local = P - prefix[e] * half;
+  const int hc = ch / 2, hc1 = max(hc, 1);  // hc = 0: no chunk pairs (shares_w is false)
+  shares_w = local < 2 * hc * half;
+  const int block = shares_w ? local / hc1 : 2 * (local - 2 * hc * half) + rank;
+  const int c = shares_w ? 2 * (local % hc1) + rank : ch - 1;
+  return xgemm::make_task<kTok / xgemm::kTokAlign>(g, e, block, c, ch);
+}
+
 // Producer thread: per stage the task's weight tiles, its token rows (64-row boxes) and their 128
 // scales of block kb.
-template <bool kSwiGLU>
+// kPaired (row pairs, decode_pair): shares_w, this CTA loads tile `rank` of the pair and multicasts
+// it, and the peer multicasts the other, so a stage still expects the task's whole bytes.
+template <bool kSwiGLU, bool kPaired = false>
 __device__ __forceinline__ void produce_task(const xgemm::Params& g, const CUtensorMap* tmW, const CUtensorMap* tmX,
                                              const CUtensorMap* tmR, const Smem& sm, const xgemm::Task& t,
-                                             uint32_t& it) {
+                                             uint32_t& it, bool shares_w = false) {
   const int nk = xgemm8::k_blocks(g.K);
   const int nbox = (t.n_tok + xgemm::kXBox - 1) / xgemm::kXBox;
   const int tiles = tiles_of(g, t);
+  const bool w_mc = kPaired && shares_w;
+  const int rank = w_mc ? static_cast<int>(cluster_ctarank()) : 0;
   for (int kb = 0; kb < nk; ++kb, ++it) {
     const int s = it % kStages;
     gemm::ring_wait<false>(sm.empty(s), ((it / kStages) & 1) ^ 1, nullptr);
     mbar_arrive_expect_tx(sm.full(s), tiles * kWBytes + nbox * xgemm::kXBox * BK + kRBytes);
-    for (int j = 0; j < tiles; ++j) {
+    for (int j = w_mc ? rank : 0; j < tiles; j += w_mc ? kTiles : 1) {
       const int tile = kTiles * t.block + j;
-      if constexpr (kSwiGLU)
-        tma_load_4d(sm.w(s) + j * kWBytes, tmW, sm.full(s), kb * BK, 0, 0,
-                    (t.seg * g.w_rows_per_seg + tile * (xgemm::WM / 2)) / 8);
-      else
-        tma_load_2d(sm.w(s) + j * kWBytes, tmW, sm.full(s), kb * BK, t.seg * g.w_rows_per_seg + tile * xgemm::WM);
+      if constexpr (kSwiGLU) {
+        const int c3 = (t.seg * g.w_rows_per_seg + tile * (xgemm::WM / 2)) / 8;
+        if (w_mc)
+          tma_load_4d_multicast(sm.w(s) + j * kWBytes, tmW, sm.full(s), kb * BK, 0, 0, c3, 0x3);
+        else
+          tma_load_4d(sm.w(s) + j * kWBytes, tmW, sm.full(s), kb * BK, 0, 0, c3);
+      } else {
+        const int c1 = t.seg * g.w_rows_per_seg + tile * xgemm::WM;
+        if (w_mc)
+          tma_load_2d_multicast(sm.w(s) + j * kWBytes, tmW, sm.full(s), kb * BK, c1, 0x3);
+        else
+          tma_load_2d(sm.w(s) + j * kWBytes, tmW, sm.full(s), kb * BK, c1);
+      }
     }
     for (int i = 0; i < nbox; ++i)
       tma_load_2d(sm.x(s) + i * xgemm::kXBox * BK, tmX, sm.full(s), kb * BK, t.row0 + i * xgemm::kXBox);
@@ -148,7 +187,9 @@ __device__ __forceinline__ void mma_tile(const Smem& sm, int s, int cw, float (&
 
 // Consumer warpgroup `cw` of task t: per stage tile 0, then tile 1 (if the task has it), each
 // promoted while the other warpgroup's wgmmas run. ws: the weight scales of tile 2 block. A
-// warpgroup without token rows (n_tok <= 64 for cw = 1) only frees the stages.
+// warpgroup without token rows (n_tok <= 64 for cw = 1) only frees the stages; kPaired: on both
+// CTAs' rings (the peer multicasts into ours).
+template <bool kPaired = false>
 __device__ __forceinline__ void mma_task(const xgemm::Params& g, const Smem& sm, int cw, const xgemm::Task& t,
                                          float (&acc)[128], float (&sum)[64], uint32_t& it, const float* ws) {
   const int nk = xgemm8::k_blocks(g.K);
@@ -173,7 +214,13 @@ __device__ __forceinline__ void mma_task(const xgemm::Params& g, const Smem& sm,
       mma_tile<0>(sm, s, cw, acc, sum, x0 * w0, x1 * w0, ws);
       if (two) mma_tile<1>(sm, s, cw, acc, sum, x0 * w1, x1 * w1, ws);
     }
-    gemm::release_stage<false>(sm.empty(s));
+    if constexpr (kPaired) {
+      // lane r arrives on CTA r's barrier (xgemm8::mma_task_wide's pair release)
+      __syncwarp();
+      if (threadIdx.x % 32 < 2) mbar_arrive_remote(sm.empty(s), threadIdx.x % 32);
+    } else {
+      gemm::release_stage<false>(sm.empty(s));
+    }
   }
   fence_regs(acc);
 }

@@ -131,7 +131,7 @@ def _suite(rank: int, world: int) -> list[str]:
         sync_poison(ws)
         errs = check_close(base, fp8_reference_grads(ws, top, w, g, cfg.dgrad_precision, cfg.wgrad_precision))
         for knob, value in (("MOK_FP8_PUSH", "0"), ("MOK_BWD_SIDE_EARLY", "0"), ("MOK_BWD_OVERLAP", "0"),
-                            ("MOK_WGRAD8_SIDE", "0"), ("MOK_TOKEN_DEDUP", "1")):
+                            ("MOK_WGRAD8_SIDE", "0"), ("MOK_TOKEN_DEDUP", "1"), ("MOK_FP8_ROW_PAIRS", "0")):
             os.environ[knob] = value
             try:
                 got = grads_list(kp.backward(cfg, ws, sched, ctx, g, *w))

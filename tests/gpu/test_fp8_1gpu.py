@@ -151,11 +151,13 @@ def _segments(counts, K, gen):
     (1024, 320, [0, 0, 1000, 0], False),  # all rows on one expert
     (7168, 256, [300, 211], False),  # DeepSeek-V3's K (56 scale blocks)
     (7168, 128, [129, 77], True),  # all-positive operands: no cancellation hides accumulation loss
+    (512, 512, [130, 0, 1, 255, 257, 300, 600, 17], False),  # 4+ weight tiles: row pairs of 1-5 chunks
 ])
 def test_expert_gemm_fp8_matches_dequantized_products(swiglu, K, N, counts, positive, monkeypatch):
     """Real rows against fp64 products of the dequantized operands, padding rows +0, rows past the
     last segment untouched, bits independent of the CTA count and of the task layout (MOK_FP8_TASKS:
-    auto, the default; rows; columns of 256 or 128 token rows, MOK_FP8_TASK_ROWS; pairs). The
+    auto, the default; rows, in clusters by default and unpaired with MOK_FP8_ROW_PAIRS=0; columns of
+    256 or 128 token rows, MOK_FP8_TASK_ROWS; pairs). The
     accumulation must lose no more
     than the bf16 expert GEMM does on the same shapes (its error against fp64 products of its own
     operands): e4m3 wgmma sums each 128-K block only, fp32 sums the blocks."""
@@ -173,10 +175,13 @@ def test_expert_gemm_fp8_matches_dequantized_products(swiglu, K, N, counts, posi
     run = lambda out, h, ctas: ops.expert_gemm_fp8(xq, xs, qw.q, qw.scale, seg, cnt, out, swiglu,  # noqa: E731
                                                    pre_out=h, num_ctas=ctas)
     first = gemm_bits_over_cta_counts(run, cap, N, swiglu, (0, 1, 5, 77), DEV)  # the default (auto)
-    # every explicit layout: (MOK_FP8_TASKS, MOK_FP8_TASK_ROWS, CTA counts); pairs: 1 CTA asks for one cluster
-    for tasks, task_rows, ctas in (("rows", None, (0, 5)), ("columns", "256", (0, 5)), ("columns", "128", (0, 5)),
-                                   ("pairs", None, (0, 1, 6))):
+    # every explicit layout: (MOK_FP8_TASKS, MOK_FP8_TASK_ROWS, MOK_FP8_ROW_PAIRS, CTA counts); pairs
+    # and row pairs: 1 CTA asks for one cluster
+    for tasks, task_rows, row_pairs, ctas in (("rows", None, "0", (0, 5)), ("rows", None, "1", (0, 1, 6)),
+                                              ("columns", "256", "0", (0, 5)), ("columns", "128", "0", (0, 5)),
+                                              ("pairs", None, "0", (0, 1, 6))):
         monkeypatch.setenv("MOK_FP8_TASKS", tasks)
+        monkeypatch.setenv("MOK_FP8_ROW_PAIRS", row_pairs)
         if task_rows is None:
             monkeypatch.delenv("MOK_FP8_TASK_ROWS", raising=False)
         else:
@@ -184,7 +189,12 @@ def test_expert_gemm_fp8_matches_dequantized_products(swiglu, K, N, counts, posi
         other = gemm_bits_over_cta_counts(run, cap, N, swiglu, ctas, DEV)
         for got, want in zip(other, first):
             if want is not None:
-                assert torch.equal(bits(got), bits(want)), f"{tasks} tasks ({task_rows} rows) give other bits"
+                assert torch.equal(bits(got), bits(want)), f"{tasks} tasks ({task_rows} rows, row pairs {row_pairs})"
+    monkeypatch.setenv("MOK_FP8_TASKS", "rows")
+    monkeypatch.setenv("MOK_FP8_ROW_PAIRS", "yes")
+    with pytest.raises(RuntimeError, match="MOK_FP8_ROW_PAIRS must be 0 or 1"):
+        run(*other, 0)
+    monkeypatch.delenv("MOK_FP8_ROW_PAIRS")
     monkeypatch.setenv("MOK_FP8_TASKS", "columns")
     monkeypatch.setenv("MOK_FP8_TASK_ROWS", "100")
     with pytest.raises(RuntimeError, match="MOK_FP8_TASK_ROWS must be 128 or 256"):
@@ -230,6 +240,7 @@ def test_expert_gemm_fp8_matches_dequantized_products(swiglu, K, N, counts, posi
     (256, 128, [130, 0, 1, 255, 256, 257, 17]),  # chunk sizes 1..128, an empty expert
     (512, 384, [0, 700, 0]),  # all rows on one expert
     (7168, 256, [300, 211]),  # DeepSeek-V3's H (56 scale blocks of dy)
+    (512, 512, [130, 0, 1, 257, 300, 17]),  # 4 weight tiles a side: row pairs in both dgrads
 ])
 def test_expert_gemm_fp8_dgrads_match_dequantized_products(H, I, counts, monkeypatch):
     """The backward's two e4m3 dgrads: dh = swiglu_backward(h, bf16(dy @ fc2[e])) against fc2's
@@ -251,9 +262,11 @@ def test_expert_gemm_fp8_dgrads_match_dequantized_products(H, I, counts, monkeyp
     dyq, dys = ops.quantize_rows_e4m3(dy.to(DEV))
     first = None
     for ctas, layout in ((0, "auto"), (1, "auto"), (77, "auto"), (0, "rows"), (0, "256"), (5, "128"), (0, "pairs"),
-                         (6, "pairs")):
-        if layout in ("auto", "rows", "pairs"):
-            monkeypatch.setenv("MOK_FP8_TASKS", layout)
+                         (6, "pairs"), (1, "rows"), (6, "rows"), (0, "unpaired rows"), (5, "unpaired rows")):
+        # the row tasks run in clusters unless MOK_FP8_ROW_PAIRS=0
+        monkeypatch.setenv("MOK_FP8_ROW_PAIRS", "0" if layout == "unpaired rows" else "1")
+        if layout in ("auto", "rows", "pairs", "unpaired rows"):
+            monkeypatch.setenv("MOK_FP8_TASKS", layout.split()[-1])
             monkeypatch.delenv("MOK_FP8_TASK_ROWS", raising=False)
         else:
             monkeypatch.setenv("MOK_FP8_TASKS", "columns")
@@ -346,14 +359,18 @@ def test_fp8_forward_matches_fp8_reference(kind, shape, monkeypatch):
     # size; the staged repeat 3 keeps the shared expert on the caller's stream (MOK_FWD_OVERLAP=0)
     # and combines in a launch of its own (MOK_FP8_PUSH=0) with e4m3 column tasks of 128 rows
     # (MOK_FP8_TASKS=columns, MOK_FP8_TASK_ROWS=128), the others push from the down GEMM; the
-    # staged repeat 1 runs the default e4m3 tasks, repeat 6 the pair tasks in 3 clusters
+    # staged repeat 1 runs the default e4m3 tasks with unpaired row tasks (MOK_FP8_ROW_PAIRS=0),
+    # repeat 6 the pair tasks in 3 clusters, repeat 7 every GEMM on row tasks in 3 clusters (the
+    # default MOK_FP8_ROW_PAIRS=1)
     reps = [("mega", {}, {}), ("staged", {}, {}), ("mega", dict(gemm_ctas=1, comm_ctas=3), {}),
             ("staged", dict(gemm_ctas=77, comm_ctas=1), {}), ("mega", dict(gemm_ctas=5), dict(minibatch_rows=128)),
-            ("mega", {}, dict(fwd_comm_sms=1, minibatch_rows=4096)), ("staged", dict(gemm_ctas=6), {})]
+            ("mega", {}, dict(fwd_comm_sms=1, minibatch_rows=4096)), ("staged", dict(gemm_ctas=6), {}),
+            ("staged", dict(gemm_ctas=6), {})]
     for rep, (path, knobs, fields) in enumerate(reps):
         monkeypatch.setenv("MOK_FWD_OVERLAP", "0" if rep == 3 else "1")
         monkeypatch.setenv("MOK_FP8_PUSH", "0" if rep == 3 else "1")
-        tasks = {3: "columns", 6: "pairs"}.get(rep)
+        monkeypatch.setenv("MOK_FP8_ROW_PAIRS", "0" if rep == 1 else "1")
+        tasks = {3: "columns", 6: "pairs", 7: "rows"}.get(rep)
         if tasks is None:
             monkeypatch.delenv("MOK_FP8_TASKS", raising=False)
         else:
