@@ -258,15 +258,18 @@ def _token_dedup_enabled(ws) -> bool:
 
 def _pulled_once(ws, sched, sources, comm_ctas):
     """``sources``: per buffer (its symmetric tensor, its peer pointers). With token dedup, the remote
-    tokens routed here are first pulled once into local copies (``ops.pull_tokens``); returns the
-    peer-pointer tables the dispatch then reads (own buffer, local copies), else the tables as given."""
+    tokens routed here are first pulled once into local copies (``ops.pull_tokens``). Returns the
+    peer-pointer tables the dispatch then reads (own buffer, local copies; else the tables as given)
+    and the copies, which the caller holds until its dispatch is enqueued: the tables are raw
+    pointers, and a copy freed earlier can be handed to the dispatch's own output (a CUDA graph's
+    capture did so: replay differed from eager)."""
     if not _token_dedup_enabled(ws):
-        return [ptrs for _, ptrs in sources]
+        return [ptrs for _, ptrs in sources], []
     copies = [torch.empty((ws.ep_size, *buf.shape), dtype=buf.dtype, device=ws.device) for buf, _ in sources]
     (_, rows), *rest = sources
     ops.pull_tokens(sched.top_experts_all, ws.rank, ws.num_local_experts, rows, copies[0],
                     rest[0][1] if rest else None, copies[1] if rest else None, comm_ctas)
-    return [ops.local_sources(ptrs, ws.rank, copy) for (_, ptrs), copy in zip(sources, copies)]
+    return [ops.local_sources(ptrs, ws.rank, copy) for (_, ptrs), copy in zip(sources, copies)], copies
 
 
 def _dispatch_fp8(cfg, ws, sched, x, comm_ctas, during_dispatch=None):
@@ -277,10 +280,11 @@ def _dispatch_fp8(cfg, ws, sched, x, comm_ctas, during_dispatch=None):
     H, k, cap = ws.hidden, ws.topk, sched.capacity
     rows, scales, pitch = _publish_fp8(cfg, ws, x)
     started = _mark(during_dispatch)
-    q_ptrs, s_ptrs = _pulled_once(ws, sched, [rows, scales], comm_ctas)
+    (q_ptrs, s_ptrs), copies = _pulled_once(ws, sched, [rows, scales], comm_ctas)
     q_routed, s_routed = ops.empty_rows_e4m3(cap, H, ws.device)
     ops.dispatch_e4m3(sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, q_routed, s_routed, q_ptrs, s_ptrs,
                       pitch, k, comm_ctas)
+    del copies  # read by the dispatch (enqueued): freed in stream order
     if during_dispatch is not None:
         during_dispatch(started)
     return q_routed, s_routed
@@ -459,10 +463,11 @@ def _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, shared_fc1, *, keep_gate_
         xs.copy_(x)
         ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
         started = _mark(during_dispatch)
-        x_ptrs, = _pulled_once(ws, sched, [(xs, x_ptrs)], comm_ctas)
+        (x_ptrs,), copies = _pulled_once(ws, sched, [(xs, x_ptrs)], comm_ctas)
         x_routed = torch.empty((cap, H), **bf16)
         ops.dispatch(sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, x_routed, x_ptrs, ws.topk,
                      comm_ctas)
+        del copies  # read by the dispatch (enqueued): freed in stream order
         if during_dispatch is not None:
             during_dispatch(started)
     shared_act = shared_h = None
@@ -959,9 +964,10 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     main = torch.cuda.current_stream(ws.device)
     side = _side_stream(ws.device) if (shared_fc1 is not None or defer_x or wgrad8) and _bwd_overlap_enabled() else None
     before_pull = _mark(side if _bwd_side_early() else None)
-    g_src, = _pulled_once(ws, sched, [(gbuf, g_ptrs)], comm_ctas)
+    (g_src,), copies = _pulled_once(ws, sched, [(gbuf, g_ptrs)], comm_ctas)
     ops.bwd_pull(sched.row_src_rank, sched.row_src_slot, row_offs, ctx.y_routed, dy, g_src, p_ptrs, dw_ptrs, k,
                  comm_ctas, trow=trow, q=dyq, q_scale=dys)
+    del copies  # read by the pull (enqueued): freed in stream order
 
     # 3. the shared expert needs only g and x, the deferred dequantization only the context: with
     # MOK_BWD_OVERLAP (default on) they run on a side stream launched after the pull, waiting on an
