@@ -250,9 +250,8 @@ def _publish_fp8(cfg, ws, x):
 
 def _token_dedup_enabled(ws) -> bool:
     """MOK_TOKEN_DEDUP=1 (at ep > 1): each remote token crosses NVLink once (``ops.pull_tokens``)
-    and the routed rows copy it locally; same bits. Off by default until it has been measured and
-    tested on two GPUs (only one was lent in the session that built it; docs/KERNELS.md). Read per
-    call."""
+    and the routed rows copy it locally; same bits. Off by default: at DeepSeek-V3 EP=2 it measured
+    no faster (docs/KERNELS.md, nineteenth session). Read per call."""
     return ws.ep_size > 1 and os.environ.get("MOK_TOKEN_DEDUP", "0") == "1"
 
 
