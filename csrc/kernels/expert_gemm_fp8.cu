@@ -30,19 +30,7 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
   __shared__ int chunk_prefix[xgemm::kMaxSeg + 1];
   const xgemm8::Smem sm = xgemm8::carve_smem(smem_raw);
   if (threadIdx.x < 32) xgemm::build_chunk_prefix<kChunk>(p.g, chunk_prefix);
-  if constexpr (kPaired) {
-    if (threadIdx.x == 32) {
-      for (int s = 0; s < xgemm8::kWideStages; ++s) {
-        mbar_init(sm.full(s), 1);
-        mbar_init(sm.empty(s), gemm::empty_arrivals(true));
-      }
-      mbar_fence_init();
-    }
-    cluster_sync();  // the peer multicasts into this CTA's ring only after its barriers exist
-  } else {
-    gemm::init_ring_barriers(sm, xgemm8::kWideStages);
-    __syncthreads();
-  }
+  gemm::init_ring_barriers_and_sync<kPaired>(sm, xgemm8::kWideStages);
   const int tasks = xgemm::num_tasks(p.g, chunk_prefix);
   // paired: the task count read from shared memory each time (held in a register, it spilled)
   auto task_count = [&] {
@@ -103,19 +91,7 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
   __shared__ int chunk_prefix[xgemm::kMaxSeg + 1];
   const xgemm8r::Smem sm = xgemm8r::carve_smem(smem_raw);
   if (threadIdx.x < 32) xgemm::build_chunk_prefix<xgemm8r::kTok>(p.g, chunk_prefix);
-  if constexpr (kPaired) {
-    if (threadIdx.x == 32) {
-      for (int s = 0; s < xgemm8r::kStages; ++s) {
-        mbar_init(sm.full(s), 1);
-        mbar_init(sm.empty(s), gemm::empty_arrivals(true));
-      }
-      mbar_fence_init();
-    }
-    cluster_sync();  // the peer multicasts into this CTA's ring only after its barriers exist
-  } else {
-    gemm::init_ring_barriers(sm, xgemm8r::kStages);
-    __syncthreads();
-  }
+  gemm::init_ring_barriers_and_sync<kPaired>(sm, xgemm8r::kStages);
   const int nk = xgemm8::k_blocks(p.g.K);
   if constexpr (kPaired) {
     // units of two tasks, one per CTA of the cluster (rank r = blockIdx.x % 2); the unit count,

@@ -152,6 +152,24 @@ __device__ __forceinline__ void run_roles(Produce produce, Help help, Consume co
 // Empty-barrier arrivals per stage phase: the consumer warps of every CTA that writes the stage.
 __host__ __device__ constexpr int empty_arrivals(bool paired) { return kConsumerWarps * (paired ? 2 : 1); }
 
+// init_ring_barriers for a kernel that is paired or not, then the sync that publishes them: paired,
+// the empty barriers count both CTAs' consumer warps and the cluster syncs (the peer multicasts
+// into this CTA's ring only after its barriers exist); else the block syncs.
+template <bool kPaired, class Ring>
+__device__ __forceinline__ void init_ring_barriers_and_sync(const Ring& sm, int stages) {
+  if (threadIdx.x == 32) {
+    for (int s = 0; s < stages; ++s) {
+      mbar_init(sm.full(s), 1);
+      mbar_init(sm.empty(s), empty_arrivals(kPaired));
+    }
+    mbar_fence_init();
+  }
+  if constexpr (kPaired)
+    cluster_sync();
+  else
+    __syncthreads();
+}
+
 // Producer: one thread streams the A and B K-blocks of `tile` through the ring. stage_tag (the
 // megakernel): `tag` is written to stage_tag[s] of the tile's first stage before it is armed, so
 // the consumers learn which task the stage belongs to. Paired: the peer runs a tile with the same
