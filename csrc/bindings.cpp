@@ -302,6 +302,9 @@ void expert_gemm_fp8(const Tensor& x8, const Tensor& x_scale, const Tensor& w8, 
               static_cast<long long>(2 * N / 128), static_cast<long long>(x8.size(0)));
   }
   c10::cuda::CUDAGuard guard(x8.device());
+  // the launch's task counter: from the caching allocator on this stream, so no other launch in
+  // flight shares it (a CUDA graph keeps it in its pool)
+  const Tensor tickets = at::empty({1}, x8.options().dtype(at::kInt));
   check(mok::launch_expert_gemm_fp8(swiglu, x8.data_ptr(), x8.size(0), static_cast<int>(K), x_scale.data_ptr<float>(),
                                     static_cast<int>(x_scale.size(1)), w8.data_ptr(), w_scale.data_ptr<float>(),
                                     static_cast<int>(nseg), seg_offsets.data_ptr<int>(), seg_counts.data_ptr<int>(),
@@ -311,8 +314,8 @@ void expert_gemm_fp8(const Tensor& x8, const Tensor& x_scale, const Tensor& w8, 
                                     push_rank.has_value() ? &bufs : nullptr,
                                     dh_q.has_value() ? dh_q->data_ptr() : nullptr,
                                     dh_q.has_value() ? dh_q_scale->data_ptr<float>() : nullptr,
-                                    dh_q.has_value() ? dh_q_scale->size(1) : 0, static_cast<int>(num_ctas),
-                                    current_stream()));
+                                    dh_q.has_value() ? dh_q_scale->size(1) : 0, tickets.data_ptr<int>(),
+                                    static_cast<int>(num_ctas), current_stream()));
 }
 
 // The scales of rows x 128-column blocks: [K / 128, ld >= rows] (the GEMM's; scale_rows false) or

@@ -380,7 +380,7 @@ __device__ void producer(const Params& p, const TMaps& tm, const Ring& ring, con
     stamp_ready(rec, tk, chunk);
     xgemm::produce_task<false, true, true>(dgrad_params(p, tk.kind), ta, tb, ring, xt, it, &w, stage_task, t);
   }
-  persistent::arm_stop_stage(ring, it, stage_task, w);
+  gemm::arm_stop_stage<true>(ring, it, stage_task + it % Ring::kStages, &w);
 }
 
 // The dgrad-down epilogue's rows are read through TMA by tasks in other CTAs: publish them.

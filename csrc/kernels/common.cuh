@@ -34,6 +34,17 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// Volatile 32-bit accesses to shared memory through the shared window (STS/LDS; a volatile generic
+// pointer becomes a 64-bit generic access, two registers in the 24-register producers).
+__device__ __forceinline__ void st_shared_b32(const volatile int* p, int v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_u32(const_cast<const int*>(p))), "r"(v) : "memory");
+}
+__device__ __forceinline__ int ld_shared_b32(const volatile int* p) {
+  int v;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(smem_u32(const_cast<const int*>(p))) : "memory");
+  return v;
+}
+
 // Deterministic "max" error flag (the reference records max(token + 1)).
 __device__ __forceinline__ void flag_max(int* flag, int value) { atomicMax(flag, value); }
 

@@ -188,6 +188,86 @@ __device__ __forceinline__ Task decode_window(const Params& p, const int* prefix
   return make_task(p, e, local / (end - start), c - prefix[e], prefix[e + 1] - prefix[e]);
 }
 
+// ---- the staged kernels' task ring -----------------------------------------------------------------
+
+// Warp 1 of the producer warpgroup (idle in the staged kernels) claims the tasks (gemm::claim_task)
+// and decodes them into a ring of kTaskRing slots in shared memory, slot j % kTaskRing for the
+// CTA's j-th task. The producer thread takes each one from there and posts its slot as the tag of
+// the task's first stage (gemm::post_task); the consumers read the task from the slot, at its start
+// and again for the epilogue. So the 24-register producer holds no claim or decode state (with them
+// in it, ptxas spilled it), and the consumers decode nothing. The claimer makes the next claim once
+// the producer has issued the current task's loads (a full/empty pair of barriers): the latest
+// moment, which balances the launch best, while the ring's stages in flight hide the claim's
+// latency. A slot is rewritten kTaskRing tasks later, when the consumers are past its task's
+// epilogue (each task has >= 1 stage and kTaskRing > kStages + 2).
+constexpr int kTaskRing = 8;
+constexpr int kTaskInts = 8;  // the task's fields (seg = -1: stop), a flag
+struct TaskRing {
+  volatile int* ints;  // [kTaskRing][kTaskInts]
+  uint64_t* full;      // the claimer's arrival (the next slot is written)
+  uint64_t* empty;     // the producer's arrival (its task's loads are issued)
+};
+
+// One thread, before the block's first sync.
+__device__ __forceinline__ void init_task_ring(const TaskRing& r) {
+  mbar_init(r.full, 1);
+  mbar_init(r.empty, 1);
+}
+
+__device__ __forceinline__ Task load_task(const TaskRing& r, int slot, bool* flag = nullptr) {
+  const volatile int* f = r.ints + slot * kTaskInts;
+  Task t;
+  t.seg = ld_shared_b32(f);
+  t.block = ld_shared_b32(f + 1);
+  t.row0 = ld_shared_b32(f + 2);
+  t.n_tok = ld_shared_b32(f + 3);
+  t.n_real = ld_shared_b32(f + 4);
+  t.pad0 = ld_shared_b32(f + 5);
+  t.pad1 = ld_shared_b32(f + 6);
+  if (flag != nullptr) *flag = ld_shared_b32(f + 7) != 0;
+  return t;
+}
+
+// The claimer thread: claim(j) gives the j-th claim (-1: none left), decode(claim, &task, &flag)
+// its task and the flag the producer reads with it.
+template <class Claim, class Decode>
+__device__ __forceinline__ void claim_tasks(const TaskRing& r, Claim claim, Decode decode) {
+  for (uint32_t j = 0;; ++j) {
+    mbar_wait(r.empty, (j & 1) ^ 1);
+    const int u = claim(j);
+    Task t;
+    bool flag = false;
+    if (u >= 0) decode(u, &t, &flag); else t.seg = -1;
+    volatile int* f = r.ints + (j % kTaskRing) * kTaskInts;
+    const int v[kTaskInts] = {t.seg, t.block, t.row0, t.n_tok, t.n_real, t.pad0, t.pad1, flag ? 1 : 0};
+#pragma unroll
+    for (int i = 0; i < (u >= 0 ? kTaskInts : 1); ++i) st_shared_b32(f + i, v[i]);
+    mbar_arrive(r.full);
+    if (u < 0) return;
+  }
+}
+
+// The producer thread's task loop: take each task from its slot, post the slot as its first
+// stage's tag, produce(task, flag) issues its loads (advancing it), then let the claimer claim the
+// next one; at the end the stop stage. Ring: a staged kernel's shared memory (task_ring(),
+// task_tags(), taken()).
+template <class Ring, class Produce>
+__device__ __forceinline__ void produce_tasks(const Ring& sm, uint32_t& it, Produce produce) {
+  for (st_shared_b32(sm.taken(), 0);;) {  // the count in shared memory: a register spilled
+    const uint32_t j = ld_shared_b32(sm.taken());
+    st_shared_b32(sm.taken(), j + 1);
+    mbar_wait(sm.task_ring().full, j & 1);
+    const int slot = j % kTaskRing;
+    bool flag;
+    const Task t = load_task(sm.task_ring(), slot, &flag);
+    if (t.seg < 0) break;
+    gemm::post_task(sm.task_tags(), it, slot);
+    produce(t, flag);
+    mbar_arrive(sm.task_ring().empty);
+  }
+  gemm::arm_stop_stage<false>(sm, it, sm.task_tags() + it % gemm::kTaskTags);
+}
+
 // ---- the ring ------------------------------------------------------------------------------------
 
 // Producer thread: the weight tile and the task's token rows, K block by K block. `Ring` gives the

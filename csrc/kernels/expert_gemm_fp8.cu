@@ -16,12 +16,12 @@ namespace {
 
 using xgemm8::Epilogue;
 
-// Persistent CTAs walk the expert-major tasks round-robin (expert_gemm_kernel's order), tasks of
-// <= kChunk token rows: 256 (the bf16 tasks' chunks; one chunk per expert of <= 256 rows reads its
-// weights once) or 128 (MOK_FP8_TASK_ROWS=128: the earlier chunks, same bits).
-// kPaired (MOK_FP8_TASKS=pairs; 256-row chunks, an even block count): 2-CTA clusters, the tasks in
-// xgemm8::decode_pair's order, so the cluster's CTAs (tasks 2 P, 2 P + 1) run two weight blocks of
-// one chunk and share its token boxes by multicast.
+// Persistent CTAs claim the expert-major tasks (expert_gemm_kernel's order; gemm::claim_task,
+// xgemm::TaskSlot), tasks of <= kChunk token rows: 256 (the bf16 tasks' chunks; one chunk per expert
+// of <= 256 rows reads its weights once) or 128 (MOK_FP8_TASK_ROWS=128: the earlier chunks, same
+// bits). kPaired (MOK_FP8_TASKS=pairs; 256-row chunks, an even block count): 2-CTA clusters claim
+// units P in xgemm8::decode_pair's order, so the cluster's CTAs (tasks 2 P, 2 P + 1) run two weight
+// blocks of one chunk and share its token boxes by multicast.
 template <Epilogue kEpi, int kChunk, bool kPaired = false>
 __global__ void __launch_bounds__(xgemm::kThreads, 1)
     expert_gemm_fp8_kernel(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
@@ -30,48 +30,57 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
   __shared__ int chunk_prefix[xgemm::kMaxSeg + 1];
   const xgemm8::Smem sm = xgemm8::carve_smem(smem_raw);
   if (threadIdx.x < 32) xgemm::build_chunk_prefix<kChunk>(p.g, chunk_prefix);
+  if (threadIdx.x == 32) {
+    if (kPaired) gemm::init_mailbox(sm.mailbox());
+    xgemm::init_task_ring(sm.task_ring());
+  }
   gemm::init_ring_barriers_and_sync<kPaired>(sm, xgemm8::kWideStages);
-  const int tasks = xgemm::num_tasks(p.g, chunk_prefix);
-  // paired: the task count read from shared memory each time (held in a register, it spilled)
-  auto task_count = [&] {
-    if constexpr (kPaired) return *static_cast<const volatile int*>(chunk_prefix + p.g.nseg) * p.g.n_blocks;
-    return tasks;
-  };
   const int nk = xgemm8::k_blocks(p.g.K);
-  auto decode = [&](int u) {
-    return kPaired ? xgemm8::decode_pair(p.g, chunk_prefix, u) : xgemm::decode(p.g, chunk_prefix, u);
-  };
   gemm::run_roles<24, 240>(
       [&] {
         tma_prefetch_desc(&tmW);
         tma_prefetch_desc(&tmX);
         tma_prefetch_desc(&tmR);
         uint32_t it = 0;
-        for (int u = blockIdx.x; u < task_count(); u += gridDim.x)
-          xgemm8::produce_task<kEpi == Epilogue::kSwiGLU, false, kPaired>(p.g, &tmW, &tmX, &tmR, sm, decode(u), it);
+        xgemm::produce_tasks(sm, it, [&](const xgemm::Task& t, bool) {
+          xgemm8::produce_task<kEpi == Epilogue::kSwiGLU, false, kPaired>(p.g, &tmW, &tmX, &tmR, sm, t, it);
+        });
       },
-      [] {},
+      [&] {
+        if (threadIdx.x != 32) return;
+        const int units = xgemm::num_tasks(p.g, chunk_prefix) / (kPaired ? 2 : 1);  // paired: task pairs
+        xgemm::claim_tasks(
+            sm.task_ring(),
+            [&](uint32_t j) { return gemm::claim_task<kPaired>(p.tickets, j, [&] { return units; }, sm.mailbox()); },
+            [&](int u, xgemm::Task* t, bool*) {
+              *t = kPaired ? xgemm8::decode_pair(p.g, chunk_prefix, 2 * u + static_cast<int>(cluster_ctarank()))
+                           : xgemm::decode(p.g, chunk_prefix, u);
+            });
+      },
       [&](int cw) {
         float acc[128], sum[64];
         uint32_t it = 0;
-        for (int u = blockIdx.x; u < task_count(); u += gridDim.x) {
-          const xgemm::Task t = decode(u);
-          const float* ws = p.w_scale + ((int64_t)t.seg * p.g.n_blocks + t.block) * nk;
-          xgemm8::mma_task_wide_any<kChunk, kPaired>(p.g, sm, cw, acc, sum, it, t.n_tok, ws);
-          // decoded again: keeping the task live through the main loop costs registers
-          xgemm::Task done = decode(u);
+        for (;;) {
+          {
+            const int slot = gemm::next_task(sm, it, sm.task_tags());
+            if (slot < 0) break;
+            const xgemm::Task t = xgemm::load_task(sm.task_ring(), slot);
+            const float* ws = p.w_scale + ((int64_t)t.seg * p.g.n_blocks + t.block) * nk;
+            xgemm8::mma_task_wide_any<kChunk, kPaired>(p.g, sm, cw, acc, sum, it, t.n_tok, ws);
+          }
+          // read again from the task's first stage's tag: the task (or its slot) kept live through
+          // the main loop costs registers
+          const int slot = gemm::task_tag(sm.task_tags(), it - nk);
+          xgemm::Task done = xgemm::load_task(sm.task_ring(), slot);
           if constexpr (kEpi == Epilogue::kSwiGLUBackward) {
             xgemm::store_task_swiglu_bwd<kChunk, 0>(p.g, sm, done, cw, acc, p.h, nullptr);
-          } else if constexpr (kPaired) {
-            // the padding rows after the staged stores, from a third decode (the task held through
+          } else {
+            // the padding rows after the staged stores, from a third read (the task held through
             // the SwiGLU stores spilled)
             done.pad1 = done.pad0;
             xgemm::store_task<kEpi == Epilogue::kSwiGLU, kChunk, 0>(
                 p.g, sm, done, cw, acc, kEpi == Epilogue::kPlainPush ? &p.push : nullptr);
-            xgemm::store_task_padding<kEpi == Epilogue::kSwiGLU>(p.g, decode(u), cw);
-          } else {
-            xgemm::store_task<kEpi == Epilogue::kSwiGLU, kChunk, 0>(
-                p.g, sm, done, cw, acc, kEpi == Epilogue::kPlainPush ? &p.push : nullptr);
+            xgemm::store_task_padding<kEpi == Epilogue::kSwiGLU>(p.g, xgemm::load_task(sm.task_ring(), slot), cw);
           }
         }
       });
@@ -80,9 +89,10 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
 }
 
 // Row tasks (expert_gemm_fp8_rows.cuh): the tokens on wgmma's M side, <= 128 a task,
-// two 128-row weight tiles on its N side; persistent CTAs walk them round-robin, expert-major.
-// kPaired (MOK_FP8_ROW_PAIRS=1, the default): 2-CTA clusters walk xgemm8r::decode_pair's units,
-// each CTA one task of the unit, a chunk pair's weights loaded half each and multicast.
+// two 128-row weight tiles on its N side; persistent CTAs claim them expert-major (as above).
+// kPaired (MOK_FP8_ROW_PAIRS=1, the default): 2-CTA clusters claim xgemm8r::decode_pair's units,
+// each CTA one task of the unit, a chunk pair's weights loaded half each and multicast (the task
+// slot's flag: shares_w).
 template <Epilogue kEpi, bool kPaired = false>
 __global__ void __launch_bounds__(xgemm::kThreads, 1)
     expert_gemm_fp8_rows_kernel(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
@@ -91,68 +101,53 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
   __shared__ int chunk_prefix[xgemm::kMaxSeg + 1];
   const xgemm8r::Smem sm = xgemm8r::carve_smem(smem_raw);
   if (threadIdx.x < 32) xgemm::build_chunk_prefix<xgemm8r::kTok>(p.g, chunk_prefix);
+  if (threadIdx.x == 32) {
+    if (kPaired) gemm::init_mailbox(sm.mailbox());
+    xgemm::init_task_ring(sm.task_ring());
+  }
   gemm::init_ring_barriers_and_sync<kPaired>(sm, xgemm8r::kStages);
   const int nk = xgemm8::k_blocks(p.g.K);
-  if constexpr (kPaired) {
-    // units of two tasks, one per CTA of the cluster (rank r = blockIdx.x % 2); the unit count,
-    // rank and stride re-read where used (held in registers through the main loop, they spilled)
-    auto units = [&] {
-      return *static_cast<const volatile int*>(chunk_prefix + p.g.nseg) * (xgemm8r::task_blocks(p.g) / 2);
-    };
-    auto decode = [&](int u, bool& shares_w) {
-      return xgemm8r::decode_pair(p.g, chunk_prefix, u, static_cast<int>(cluster_ctarank()), shares_w);
-    };
-    gemm::run_roles<24, 240>(
-        [&] {
-          tma_prefetch_desc(&tmW);
-          tma_prefetch_desc(&tmX);
-          tma_prefetch_desc(&tmR);
-          uint32_t it = 0;
-          for (int u = blockIdx.x / 2; u < units(); u += gridDim.x / 2) {
-            bool shares_w;
-            const xgemm::Task t = decode(u, shares_w);
-            xgemm8r::produce_task<kEpi == Epilogue::kSwiGLU, true>(p.g, &tmW, &tmX, &tmR, sm, t, it, shares_w);
-          }
-        },
-        [] {},
-        [&](int cw) {
-          float acc[128], sum[64];
-          uint32_t it = 0;
-          for (int u = blockIdx.x / 2; u < units(); u += gridDim.x / 2) {
-            bool shares_w;
-            const xgemm::Task t = decode(u, shares_w);
-            const float* ws = p.w_scale + ((int64_t)t.seg * p.g.n_blocks + xgemm8r::kTiles * t.block) * nk;
-            xgemm8r::mma_task<true>(p.g, sm, cw, t, acc, sum, it, ws);
-            xgemm8r::store_task<kEpi>(p, sm, decode(u, shares_w), cw, acc);
-          }
-        });
-    // no CTA leaves while its peer may still multicast into it or arrive on its barriers
-    cluster_sync();
-    return;
-  }
-  const int tasks = xgemm8r::num_tasks(p.g, chunk_prefix);
   gemm::run_roles<24, 240>(
       [&] {
         tma_prefetch_desc(&tmW);
         tma_prefetch_desc(&tmX);
         tma_prefetch_desc(&tmR);
         uint32_t it = 0;
-        for (int u = blockIdx.x; u < tasks; u += gridDim.x)
-          xgemm8r::produce_task<kEpi == Epilogue::kSwiGLU>(p.g, &tmW, &tmX, &tmR, sm,
-                                                           xgemm8r::decode(p.g, chunk_prefix, u), it);
+        xgemm::produce_tasks(sm, it, [&](const xgemm::Task& t, bool shares_w) {
+          xgemm8r::produce_task<kEpi == Epilogue::kSwiGLU, kPaired>(p.g, &tmW, &tmX, &tmR, sm, t, it, shares_w);
+        });
       },
-      [] {},
+      [&] {
+        if (threadIdx.x != 32) return;
+        const int units = kPaired ? xgemm8r::num_pair_units(p.g, chunk_prefix) : xgemm8r::num_tasks(p.g, chunk_prefix);
+        xgemm::claim_tasks(
+            sm.task_ring(),
+            [&](uint32_t j) { return gemm::claim_task<kPaired>(p.tickets, j, [&] { return units; }, sm.mailbox()); },
+            [&](int u, xgemm::Task* t, bool* shares_w) {
+              if constexpr (kPaired)
+                *t = xgemm8r::decode_pair(p.g, chunk_prefix, u, static_cast<int>(cluster_ctarank()), *shares_w);
+              else
+                *t = xgemm8r::decode(p.g, chunk_prefix, u);
+            });
+      },
       [&](int cw) {
         float acc[128], sum[64];
         uint32_t it = 0;
-        for (int u = blockIdx.x; u < tasks; u += gridDim.x) {
-          const xgemm::Task t = xgemm8r::decode(p.g, chunk_prefix, u);
-          const float* ws = p.w_scale + ((int64_t)t.seg * p.g.n_blocks + xgemm8r::kTiles * t.block) * nk;
-          xgemm8r::mma_task(p.g, sm, cw, t, acc, sum, it, ws);
-          // decoded again: keeping the task live through the main loop costs registers
-          xgemm8r::store_task<kEpi>(p, sm, xgemm8r::decode(p.g, chunk_prefix, u), cw, acc);
+        for (;;) {
+          {
+            const int slot = gemm::next_task(sm, it, sm.task_tags());
+            if (slot < 0) break;
+            const xgemm::Task t = xgemm::load_task(sm.task_ring(), slot);
+            const float* ws = p.w_scale + ((int64_t)t.seg * p.g.n_blocks + xgemm8r::kTiles * t.block) * nk;
+            xgemm8r::mma_task<kPaired>(p.g, sm, cw, t, acc, sum, it, ws);
+          }
+          // read again (as in expert_gemm_fp8_kernel)
+          const int slot = gemm::task_tag(sm.task_tags(), it - nk);
+          xgemm8r::store_task<kEpi>(p, sm, xgemm::load_task(sm.task_ring(), slot), cw, acc);
         }
       });
+  // paired: no CTA leaves while its peer may still multicast into it or arrive on its barriers
+  if constexpr (kPaired) cluster_sync();
 }
 
 // Where the scale of (row, 128-column block kb) lives: the GEMM's [kb][row] (row stride 1) or the
@@ -453,6 +448,14 @@ const char* row_pairs(bool* on) {
   return *on || strcmp(v, "0") == 0 ? nullptr : "mok expert_gemm_fp8: MOK_FP8_ROW_PAIRS must be 0 or 1";
 }
 
+// MOK_GEMM_TICKETS: 1 (the default) the CTAs claim tasks from the launch's counter, 0 round-robin
+// (the A/B switch). Same bits.
+const char* task_tickets(bool* on) {
+  const char* v = getenv("MOK_GEMM_TICKETS");
+  *on = v == nullptr || strcmp(v, "1") == 0;
+  return *on || strcmp(v, "0") == 0 ? nullptr : "mok expert_gemm_fp8: MOK_GEMM_TICKETS must be 0 or 1";
+}
+
 }  // namespace
 
 const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, int K, const float* x_scale,
@@ -460,9 +463,11 @@ const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, in
                                    const int* seg_offsets, const int* seg_counts, void* out, void* pre_out, int N,
                                    const void* h, const int* push_rank, const int* push_slot,
                                    const PeerPtrs* push_bufs, void* dh_q, float* dh_q_scale, int64_t dh_q_ld,
-                                   int num_ctas, cudaStream_t stream) {
+                                   int* tickets, int num_ctas, cudaStream_t stream) {
   if (rows <= 0 || N <= 0) return nullptr;
   if (K <= 0 || K % 128) return "mok expert_gemm_fp8: K must be a positive multiple of 128 (the scale blocks)";
+  if (xgemm8::k_blocks(K) + std::max(xgemm8::kWideStages, xgemm8r::kStages) + 1 > gemm::kTaskTags)
+    return "mok expert_gemm_fp8: K must be at most 128 * 251 (a task's stages outlive its tag: gemm::kTaskTags)";
   if (N % 8) return "mok expert_gemm_fp8: N must be a multiple of 8";
   if (rows > (int64_t)1 << 30) return "mok expert_gemm_fp8: too many rows";
   if (nseg < 1 || nseg > xgemm::kMaxSeg) return "mok expert_gemm_fp8: 1 to 512 segments";
@@ -511,8 +516,11 @@ const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, in
     p.dh_e4m3 = xgemm::PairBlockE4m3{static_cast<uint8_t*>(dh_q), dh_q_scale, dh_q_ld};
   // pairs need an even weight-block count (a cluster's two tasks are blocks 2 j, 2 j + 1 of a
   // chunk), row pairs whole pairs of tile pairs
-  bool rows_paired_wanted;
+  bool rows_paired_wanted, dynamic;
   if (const char* m = row_pairs(&rows_paired_wanted)) return m;
+  if (const char* m = task_tickets(&dynamic)) return m;
+  if (dynamic && tickets == nullptr) return "mok expert_gemm_fp8: needs its task counter (MOK_GEMM_TICKETS=1)";
+  p.tickets = dynamic ? tickets : nullptr;
   const bool rows_paired = rows_layout && rows_paired_wanted && xgemm8r::pairs_fit(p.g);
   const bool paired = (layout == TaskLayout::kPairs && p.g.n_blocks % 2 == 0) || rows_paired;
   const Epilogue epi = swiglu ? Epilogue::kSwiGLU
@@ -532,6 +540,8 @@ const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, in
   const int64_t max_units = (((int64_t)nseg + rows / task_tok + 1) * blocks + (rows_paired ? 1 : 0)) / (rows_paired ? 2 : 1);
   const int64_t units = num_ctas > 0 ? (paired ? num_ctas / 2 : num_ctas) : at_once;
   cfg.gridDim = dim3(static_cast<unsigned>((paired ? 2 : 1) * std::max<int64_t>(1, std::min<int64_t>(units, max_units))));
+  if (dynamic && cudaMemsetAsync(tickets, 0, sizeof(int), stream) != cudaSuccess)
+    return "mok expert_gemm_fp8: zeroing the task counter failed";
   if (const char* m = launch_ex(cfg, kernel, tmW, tmX, tmR, p)) return m;
   if (dh_q == nullptr || rows_layout) return nullptr;
   return launch_quantize_rows_e4m3(out, rows, 2 * N, dh_q, dh_q_scale, 1, dh_q_ld, seg_offsets + nseg, true, stream);

@@ -170,6 +170,92 @@ __device__ __forceinline__ void init_ring_barriers_and_sync(const Ring& sm, int 
     __syncthreads();
 }
 
+// ---- task claims of the persistent GEMMs ------------------------------------------------------------
+
+// The task mailbox of a paired CTA: slot j % kMailbox holds its cluster leader's j-th claim (-1:
+// stop), published by a remote store and a cluster-scope arrival on full[j % kMailbox].
+constexpr int kMailbox = 8;  // slots (> kStages + 1: the leader never overruns the peer)
+struct Mailbox {
+  volatile int* box;
+  uint64_t* full;
+};
+
+// One thread, before the first cluster sync (the peer stores into box only after it).
+__device__ __forceinline__ void init_mailbox(const Mailbox& mb) {
+  for (int j = 0; j < kMailbox; ++j) mbar_init(&mb.full[j], 1);
+}
+
+__device__ __forceinline__ void mailbox_send(const Mailbox& mb, uint32_t j, int t) {
+  st_shared_cluster(mb.box + j % kMailbox, 1, t);
+  mbar_arrive_remote<true>(mb.full + j % kMailbox, 1);
+}
+
+// kWatch (the megakernels): -1 once the watchdog gives up.
+template <bool kWatch>
+__device__ __forceinline__ int mailbox_receive(const Mailbox& mb, uint32_t j, const Watchdog* w) {
+  const uint32_t parity = (j / kMailbox) & 1;
+  if constexpr (kWatch) {
+    if (!mbar_wait_watch<true>(mb.full + j % kMailbox, parity, *w)) return -1;
+  } else {
+    while (!mbar_try_wait<true>(mb.full + j % kMailbox, parity)) {
+    }
+  }
+  return ld_shared_b32(mb.box + j % kMailbox);
+}
+
+// The staged launches' j-th task of this CTA (paired: of its cluster), -1 when none is left: the
+// next unclaimed one from the launch's ticket counter (so a CTA that starts late or drew short tasks
+// takes more, and the launch ends when its work does), or with tickets == null round-robin (unit
+// blockIdx / width + j * gridDim / width). Paired, the cluster's first CTA claims and hands the task
+// to the second through the mailbox. Which CTA runs a task changes no bit. total() gives the unit
+// count.
+template <bool kPaired, class Total>
+__device__ __forceinline__ int claim_task(int* tickets, uint32_t j, Total total, const Mailbox& mb) {
+  constexpr unsigned width = kPaired ? 2 : 1;
+  if (kPaired && cluster_ctarank() != 0) return mailbox_receive<false>(mb, j, nullptr);
+  int u = tickets != nullptr ? atomicAdd(tickets, 1) : static_cast<int>(blockIdx.x / width + j * (gridDim.x / width));
+  if (u >= total()) u = -1;
+  if constexpr (kPaired) mailbox_send(mb, j, u);
+  return u;
+}
+
+// Producer, after its last task: the stage `it`, armed without bytes and its tag (*tag) -1, stops
+// the consumers.
+template <bool kWatch, class Ring>
+__device__ __forceinline__ void arm_stop_stage(const Ring& ring, uint32_t it, volatile int* tag,
+                                               const Watchdog* w = nullptr) {
+  const int s = it % Ring::kStages;
+  ring_wait<kWatch>(ring.empty(s), ((it / Ring::kStages) & 1) ^ 1, w);
+  st_shared_b32(tag, -1);
+  mbar_arrive(ring.full(s));
+}
+
+// The staged kernels' task tags: slot it % kTaskTags holds the tag of the task whose first stage is
+// `it`. The producer posts it before that stage is armed (so the tag is not live through the
+// task's loads); the consumers read it once the stage is full, and again for the task's epilogue
+// (task_tag: a register held through the main loop spilled the SwiGLU epilogue). A slot is
+// rewritten at stage it + kTaskTags, which the producer reaches only after the consumers freed
+// stage it + kTaskTags - stages - 1: past the task's last stage, so past its epilogue, while a task
+// has at most kTaskTags - stages - 1 stages (the launchers check K).
+constexpr int kTaskTags = 256;
+
+__device__ __forceinline__ void post_task(volatile int* tags, uint32_t it, int tag) {
+  st_shared_b32(tags + it % kTaskTags, tag);
+}
+
+// The tag of the task whose first stage is `it` (posted, not yet overwritten: see above).
+__device__ __forceinline__ int task_tag(const volatile int* tags, uint32_t it) {
+  return ld_shared_b32(tags + it % kTaskTags);
+}
+
+// A consumer warpgroup's next task (-1: stop), once its first stage is full. The task's own first
+// ring wait then passes at once.
+template <class Ring>
+__device__ __forceinline__ int next_task(const Ring& ring, uint32_t it, const volatile int* tags) {
+  mbar_wait(ring.full(it % Ring::kStages), (it / Ring::kStages) & 1);
+  return task_tag(tags, it);
+}
+
 // Producer: one thread streams the A and B K-blocks of `tile` through the ring. stage_tag (the
 // megakernel): `tag` is written to stage_tag[s] of the tile's first stage before it is armed, so
 // the consumers learn which task the stage belongs to. Paired: the peer runs a tile with the same

@@ -110,12 +110,14 @@ const char* launch_grouped_gemm(bool swiglu, const void* A, int64_t a_rows, int 
 // dh_q (optional, with h): dh's e4m3 copy as well, the bits of launch_quantize_rows_e4m3(dh,
 // gate_up_pairs) for rows below seg_offsets[nseg]: dh_q [rows, 2 N] with dh_q_scale
 // [2 N / 128][dh_q_ld]; the row tasks write it from their epilogue, the other layouts quantize after.
+// tickets: one int of device memory this launch alone uses (MOK_GEMM_TICKETS=1, the default: zeroed
+// on the stream, then the CTAs claim their tasks from it; 0: round-robin, tickets unused).
 const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, int K, const float* x_scale,
                                    int x_scale_ld, const void* w8, const float* w_scale, int nseg,
                                    const int* seg_offsets, const int* seg_counts, void* out, void* pre_out, int N,
                                    const void* h, const int* push_rank, const int* push_slot,
                                    const PeerPtrs* push_bufs, void* dh_q, float* dh_q_scale, int64_t dh_q_ld,
-                                   int num_ctas, cudaStream_t stream);
+                                   int* tickets, int num_ctas, cudaStream_t stream);
 
 // x [rows, K] bf16 -> q [rows, K] e4m3 with one scale per (row, 128 columns) at
 // scale[row * scale_row_stride + kb * scale_kb_stride] (the GEMM's [kb][ld]: strides 1, ld; the

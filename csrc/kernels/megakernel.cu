@@ -83,7 +83,8 @@ using persistent::kWarps;
 using persistent::kUnitRows;       // rows a dispatching warp copies before it signals
 using persistent::kUnitsPerTile;
 constexpr int kCopyUnroll = 8;                  // 16-byte loads in flight per lane
-constexpr int kMailbox = 8;                     // task mailbox slots (> kStages + 1: never overrun)
+using gemm::kMailbox;
+using gemm::Mailbox;
 
 // Counter buffer: header (persistent.cuh), then ready[max_mtiles], up_done[max_mtiles],
 // sup_done[ceil(T / BM)], fp8: kb_done[max_mtiles][I / 128].
@@ -303,23 +304,6 @@ __device__ void dispatch_rows(const Params& p, int role) {
 
 // ---- GEMM roles -----------------------------------------------------------------------------------
 
-// The task mailbox of a paired CTA: slot j % kMailbox holds its cluster leader's j-th claim (-1:
-// stop), published by a remote store and a cluster-scope arrival on full[j % kMailbox].
-struct Mailbox {
-  volatile int* box;
-  uint64_t* full;
-};
-
-__device__ __forceinline__ void mailbox_send(const Mailbox& mb, uint32_t j, int t) {
-  st_shared_cluster(mb.box + j % kMailbox, 1, t);
-  mbar_arrive_remote<true>(mb.full + j % kMailbox, 1);
-}
-
-__device__ __forceinline__ int mailbox_receive(const Mailbox& mb, uint32_t j, const Watchdog& w) {
-  if (!mbar_wait_watch<true>(mb.full + j % kMailbox, (j / kMailbox) & 1, w)) return -1;
-  return mb.box[j % kMailbox];
-}
-
 template <bool kPaired, bool kFp8, class Ring>
 __device__ void producer(const Params& p, const TMaps& tm, const gemm::Smem& sm, const Ring& ring,
                          const int* prefix, volatile int* stage_task, const Mailbox& mb) {
@@ -333,9 +317,9 @@ __device__ void producer(const Params& p, const TMaps& tm, const gemm::Smem& sm,
     if (rank == 0) {
       if (ld_volatile(w.abort) == 0) t = atomicAdd(p.counters + kTicket, 1);  // abort: stop claiming
       if (t >= total) t = -1;
-      if constexpr (kPaired) mailbox_send(mb, j, t);
+      if constexpr (kPaired) gemm::mailbox_send(mb, j, t);
     } else {
-      t = mailbox_receive(mb, j, w);
+      t = gemm::mailbox_receive<true>(mb, j, &w);
     }
     if (t < 0) break;
     const Task tk = decode<kPaired, kFp8>(p, t, chunks);
@@ -400,7 +384,7 @@ __device__ void producer(const Params& p, const TMaps& tm, const gemm::Smem& sm,
       xgemm::produce_task<false, true>(xg, &tm.a[tk.kind], &tm.b[tk.kind], ring, xt, it, &w, stage_task, t);
     }
   }
-  persistent::arm_stop_stage(ring, it, stage_task, w);
+  gemm::arm_stop_stage<true>(ring, it, stage_task + it % Ring::kStages, &w);
 }
 
 // One consumer warpgroup. The two warpgroups of a CTA never wait for each other (separate named
@@ -586,7 +570,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(ring.full(s), 1);
       mbar_init(ring.empty(s), gemm::empty_arrivals(kPaired));
     }
-    for (int j = 0; j < kMailbox; ++j) mbar_init(&mb.full[j], 1);
+    gemm::init_mailbox(mb);
     persistent::init_push_queue(q);
     mbar_fence_init();
     s_misc[1] = 0;

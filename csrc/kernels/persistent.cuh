@@ -93,16 +93,6 @@ struct ExpertRing {
 
 // ---- the ring seen from the task loop ----------------------------------------------------------------
 
-// Producer, after its last ticket: a stage tagged -1, armed without bytes, stops the consumers.
-template <class Ring>
-__device__ __forceinline__ void arm_stop_stage(const Ring& ring, uint32_t it, volatile int* stage_task,
-                                               const Watchdog& w) {
-  const int s = it % Ring::kStages;
-  gemm::ring_wait<true>(ring.empty(s), ((it / Ring::kStages) & 1) ^ 1, &w);
-  stage_task[s] = -1;
-  mbar_arrive(ring.full(s));
-}
-
 // ---- the push queue --------------------------------------------------------------------------------
 
 // Consumer warpgroups claim slots in order (tail), wait until the pushers freed them, write the

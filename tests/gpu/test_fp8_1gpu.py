@@ -155,9 +155,10 @@ def _segments(counts, K, gen):
 ])
 def test_expert_gemm_fp8_matches_dequantized_products(swiglu, K, N, counts, positive, monkeypatch):
     """Real rows against fp64 products of the dequantized operands, padding rows +0, rows past the
-    last segment untouched, bits independent of the CTA count and of the task layout (MOK_FP8_TASKS:
+    last segment untouched, bits independent of the CTA count, of the task layout (MOK_FP8_TASKS:
     auto, the default; rows, in clusters by default and unpaired with MOK_FP8_ROW_PAIRS=0; columns of
-    256 or 128 token rows, MOK_FP8_TASK_ROWS; pairs). The
+    256 or 128 token rows, MOK_FP8_TASK_ROWS; pairs) and of how the CTAs claim their tasks
+    (MOK_GEMM_TICKETS: 1, the default, from a counter; 0 round-robin). The
     accumulation must lose no more
     than the bf16 expert GEMM does on the same shapes (its error against fp64 products of its own
     operands): e4m3 wgmma sums each 128-K block only, fp32 sums the blocks."""
@@ -175,13 +176,15 @@ def test_expert_gemm_fp8_matches_dequantized_products(swiglu, K, N, counts, posi
     run = lambda out, h, ctas: ops.expert_gemm_fp8(xq, xs, qw.q, qw.scale, seg, cnt, out, swiglu,  # noqa: E731
                                                    pre_out=h, num_ctas=ctas)
     first = gemm_bits_over_cta_counts(run, cap, N, swiglu, (0, 1, 5, 77), DEV)  # the default (auto)
-    # every explicit layout: (MOK_FP8_TASKS, MOK_FP8_TASK_ROWS, MOK_FP8_ROW_PAIRS, CTA counts); pairs
-    # and row pairs: 1 CTA asks for one cluster
-    for tasks, task_rows, row_pairs, ctas in (("rows", None, "0", (0, 5)), ("rows", None, "1", (0, 1, 6)),
-                                              ("columns", "256", "0", (0, 5)), ("columns", "128", "0", (0, 5)),
-                                              ("pairs", None, "0", (0, 1, 6))):
+    # every explicit layout: (MOK_FP8_TASKS, MOK_FP8_TASK_ROWS, MOK_FP8_ROW_PAIRS, MOK_GEMM_TICKETS, CTA
+    # counts); pairs and row pairs: 1 CTA asks for one cluster
+    for tasks, task_rows, row_pairs, tickets, ctas in (
+            ("rows", None, "0", "1", (0, 5)), ("rows", None, "1", "1", (0, 1, 6)), ("rows", None, "1", "0", (0, 6)),
+            ("rows", None, "0", "0", (0, 5)), ("columns", "256", "0", "1", (0, 5)), ("columns", "128", "0", "1", (0, 5)),
+            ("columns", "256", "0", "0", (0, 5)), ("pairs", None, "0", "1", (0, 1, 6)), ("pairs", None, "0", "0", (0, 6))):
         monkeypatch.setenv("MOK_FP8_TASKS", tasks)
         monkeypatch.setenv("MOK_FP8_ROW_PAIRS", row_pairs)
+        monkeypatch.setenv("MOK_GEMM_TICKETS", tickets)
         if task_rows is None:
             monkeypatch.delenv("MOK_FP8_TASK_ROWS", raising=False)
         else:
@@ -189,7 +192,12 @@ def test_expert_gemm_fp8_matches_dequantized_products(swiglu, K, N, counts, posi
         other = gemm_bits_over_cta_counts(run, cap, N, swiglu, ctas, DEV)
         for got, want in zip(other, first):
             if want is not None:
-                assert torch.equal(bits(got), bits(want)), f"{tasks} tasks ({task_rows} rows, row pairs {row_pairs})"
+                assert torch.equal(bits(got), bits(want)), \
+                    f"{tasks} tasks ({task_rows} rows, row pairs {row_pairs}, tickets {tickets})"
+    monkeypatch.setenv("MOK_GEMM_TICKETS", "2")
+    with pytest.raises(RuntimeError, match="MOK_GEMM_TICKETS must be 0 or 1"):
+        run(*other, 0)
+    monkeypatch.delenv("MOK_GEMM_TICKETS")
     monkeypatch.setenv("MOK_FP8_TASKS", "rows")
     monkeypatch.setenv("MOK_FP8_ROW_PAIRS", "yes")
     with pytest.raises(RuntimeError, match="MOK_FP8_ROW_PAIRS must be 0 or 1"):
@@ -236,6 +244,29 @@ def test_expert_gemm_fp8_matches_dequantized_products(swiglu, K, N, counts, posi
     assert worst_vs_bf16 < 8e-2, worst_vs_bf16  # e4m3's 3 mantissa bits, against unquantized operands
 
 
+def test_expert_gemm_fp8_rejects_k_past_its_task_tags():
+    """A task's stages must not outlive its tag in the staged kernels' task tags: K past 128 * 251
+    raises with a message naming the limit, and the largest allowed K runs."""
+    from megatron_mok import ops
+
+    for kb, ok in ((252, False), (251, True)):
+        K, N, rows = 128 * kb, 128, 16
+        x = torch.randn(rows, K, device=DEV).bfloat16()
+        w = (torch.randn(1, N, K, device=DEV) / K**0.5).bfloat16()
+        qw = fp8.quantize_weight(w, swiglu=False)
+        xq, xs = ops.quantize_rows_e4m3(x)
+        seg = torch.tensor([0, rows], dtype=torch.int32, device=DEV)
+        cnt = torch.tensor([rows], dtype=torch.int32, device=DEV)
+        out = torch.full((rows, N), float("nan"), dtype=torch.bfloat16, device=DEV)
+        if ok:
+            ops.expert_gemm_fp8(xq, xs, qw.q, qw.scale, seg, cnt, out, False)
+            ref = fp8.dequantize_rows(*fp8.quantize_rows(x.cpu())).double() @ qw.dequantize().cpu().double()[0].t()
+            assert rel_err(out.cpu(), ref) < 1e-2
+        else:
+            with pytest.raises(RuntimeError, match="K must be at most 128 \\* 251"):
+                ops.expert_gemm_fp8(xq, xs, qw.q, qw.scale, seg, cnt, out, False)
+
+
 @pytest.mark.parametrize("H,I,counts", [
     (256, 128, [130, 0, 1, 255, 256, 257, 17]),  # chunk sizes 1..128, an empty expert
     (512, 384, [0, 700, 0]),  # all rows on one expert
@@ -262,10 +293,12 @@ def test_expert_gemm_fp8_dgrads_match_dequantized_products(H, I, counts, monkeyp
     dyq, dys = ops.quantize_rows_e4m3(dy.to(DEV))
     first = None
     for ctas, layout in ((0, "auto"), (1, "auto"), (77, "auto"), (0, "rows"), (0, "256"), (5, "128"), (0, "pairs"),
-                         (6, "pairs"), (1, "rows"), (6, "rows"), (0, "unpaired rows"), (5, "unpaired rows")):
-        # the row tasks run in clusters unless MOK_FP8_ROW_PAIRS=0
-        monkeypatch.setenv("MOK_FP8_ROW_PAIRS", "0" if layout == "unpaired rows" else "1")
-        if layout in ("auto", "rows", "pairs", "unpaired rows"):
+                         (6, "pairs"), (1, "rows"), (6, "rows"), (0, "unpaired rows"), (5, "unpaired rows"),
+                         (6, "round-robin rows"), (5, "round-robin unpaired rows")):
+        # the row tasks run in clusters unless MOK_FP8_ROW_PAIRS=0; round-robin: MOK_GEMM_TICKETS=0
+        monkeypatch.setenv("MOK_FP8_ROW_PAIRS", "0" if "unpaired" in layout else "1")
+        monkeypatch.setenv("MOK_GEMM_TICKETS", "0" if "round-robin" in layout else "1")
+        if layout.split()[-1] in ("auto", "rows", "pairs"):
             monkeypatch.setenv("MOK_FP8_TASKS", layout.split()[-1])
             monkeypatch.delenv("MOK_FP8_TASK_ROWS", raising=False)
         else:
