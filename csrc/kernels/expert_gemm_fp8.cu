@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
         const int units = xgemm::num_tasks(p.g, chunk_prefix) / (kPaired ? 2 : 1);  // paired: task pairs
         xgemm::claim_tasks(
             sm.task_ring(),
-            [&](uint32_t j) { return gemm::claim_task<kPaired>(p.tickets, j, [&] { return units; }, sm.mailbox()); },
+            [&](uint32_t j) { return gemm::claim_task<kPaired>(p.tickets, j, units, sm.mailbox()); },
             [&](int u, xgemm::Task* t, bool*) {
               *t = kPaired ? xgemm8::decode_pair(p.g, chunk_prefix, 2 * u + static_cast<int>(cluster_ctarank()))
                            : xgemm::decode(p.g, chunk_prefix, u);
@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
         const int units = kPaired ? xgemm8r::num_pair_units(p.g, chunk_prefix) : xgemm8r::num_tasks(p.g, chunk_prefix);
         xgemm::claim_tasks(
             sm.task_ring(),
-            [&](uint32_t j) { return gemm::claim_task<kPaired>(p.tickets, j, [&] { return units; }, sm.mailbox()); },
+            [&](uint32_t j) { return gemm::claim_task<kPaired>(p.tickets, j, units, sm.mailbox()); },
             [&](int u, xgemm::Task* t, bool* shares_w) {
               if constexpr (kPaired)
                 *t = xgemm8r::decode_pair(p.g, chunk_prefix, u, static_cast<int>(cluster_ctarank()), *shares_w);

@@ -207,14 +207,13 @@ __device__ __forceinline__ int mailbox_receive(const Mailbox& mb, uint32_t j, co
 // next unclaimed one from the launch's ticket counter (so a CTA that starts late or drew short tasks
 // takes more, and the launch ends when its work does), or with tickets == null round-robin (unit
 // blockIdx / width + j * gridDim / width). Paired, the cluster's first CTA claims and hands the task
-// to the second through the mailbox. Which CTA runs a task changes no bit. total() gives the unit
-// count.
-template <bool kPaired, class Total>
-__device__ __forceinline__ int claim_task(int* tickets, uint32_t j, Total total, const Mailbox& mb) {
+// to the second through the mailbox. Which CTA runs a task changes no bit. total: the unit count.
+template <bool kPaired>
+__device__ __forceinline__ int claim_task(int* tickets, uint32_t j, int total, const Mailbox& mb) {
   constexpr unsigned width = kPaired ? 2 : 1;
   if (kPaired && cluster_ctarank() != 0) return mailbox_receive<false>(mb, j, nullptr);
   int u = tickets != nullptr ? atomicAdd(tickets, 1) : static_cast<int>(blockIdx.x / width + j * (gridDim.x / width));
-  if (u >= total()) u = -1;
+  if (u >= total) u = -1;
   if constexpr (kPaired) mailbox_send(mb, j, u);
   return u;
 }
