@@ -208,6 +208,36 @@ struct TaskRing {
   uint64_t* empty;     // the producer's arrival (its task's loads are issued)
 };
 
+// The staged kernels' task bookkeeping, at the end of their shared memory (after the ring's
+// barriers; 8-byte aligned): the task tags [gemm::kTaskTags] (gemm::post_task), the producer's count
+// of taken tasks (+ 1 int of padding), the mailbox [gemm::kMailbox] ints and its barriers, the
+// task ring and its two barriers.
+struct TaskTail {
+  static constexpr int kOffTaken = 4 * gemm::kTaskTags;
+  static constexpr int kOffMailbox = kOffTaken + 8;
+  static constexpr int kOffMailboxBarriers = kOffMailbox + 4 * gemm::kMailbox;
+  static constexpr int kOffRing = kOffMailboxBarriers + 8 * gemm::kMailbox;
+  static constexpr int kOffRingBarriers = kOffRing + 4 * kTaskRing * kTaskInts;
+  static constexpr int kBytes = kOffRingBarriers + 2 * 8;
+  static_assert(kOffMailboxBarriers % 8 == 0 && kOffRingBarriers % 8 == 0, "mbarriers need 8-byte alignment");
+  uint8_t* base;
+  __device__ __forceinline__ volatile int* task_tags() const { return reinterpret_cast<volatile int*>(base); }
+  __device__ __forceinline__ volatile int* taken() const { return reinterpret_cast<volatile int*>(base + kOffTaken); }
+  __device__ __forceinline__ gemm::Mailbox mailbox() const {
+    return {reinterpret_cast<volatile int*>(base + kOffMailbox), reinterpret_cast<uint64_t*>(base + kOffMailboxBarriers)};
+  }
+  __device__ __forceinline__ TaskRing task_ring() const {
+    uint64_t* bars = reinterpret_cast<uint64_t*>(base + kOffRingBarriers);
+    return {reinterpret_cast<volatile int*>(base + kOffRing), bars, bars + 1};
+  }
+};
+
+// A ring of `stages` stages whose tags and slots outlive their reading (see gemm::post_task and
+// TaskRing).
+__host__ __device__ constexpr bool task_tail_fits(int stages) {
+  return stages < gemm::kTaskTags && stages + 2 < kTaskRing;
+}
+
 // One thread, before the block's first sync.
 __device__ __forceinline__ void init_task_ring(const TaskRing& r) {
   mbar_init(r.full, 1);
@@ -249,23 +279,23 @@ __device__ __forceinline__ void claim_tasks(const TaskRing& r, Claim claim, Deco
 
 // The producer thread's task loop: take each task from its slot, post the slot as its first
 // stage's tag, produce(task, flag) issues its loads (advancing it), then let the claimer claim the
-// next one; at the end the stop stage. Ring: a staged kernel's shared memory (task_ring(),
-// task_tags(), taken()).
+// next one; at the end the stop stage. Ring: a staged kernel's shared memory (its stages and tail()).
 template <class Ring, class Produce>
 __device__ __forceinline__ void produce_tasks(const Ring& sm, uint32_t& it, Produce produce) {
-  for (st_shared_b32(sm.taken(), 0);;) {  // the count in shared memory: a register spilled
-    const uint32_t j = ld_shared_b32(sm.taken());
-    st_shared_b32(sm.taken(), j + 1);
-    mbar_wait(sm.task_ring().full, j & 1);
+  const TaskTail tail = sm.tail();
+  for (st_shared_b32(tail.taken(), 0);;) {  // the count in shared memory: a register spilled
+    const uint32_t j = ld_shared_b32(tail.taken());
+    st_shared_b32(tail.taken(), j + 1);
+    mbar_wait(tail.task_ring().full, j & 1);
     const int slot = j % kTaskRing;
     bool flag;
-    const Task t = load_task(sm.task_ring(), slot, &flag);
+    const Task t = load_task(tail.task_ring(), slot, &flag);
     if (t.seg < 0) break;
-    gemm::post_task(sm.task_tags(), it, slot);
+    gemm::post_task(tail.task_tags(), it, slot);
     produce(t, flag);
-    mbar_arrive(sm.task_ring().empty);
+    mbar_arrive(tail.task_ring().empty);
   }
-  gemm::arm_stop_stage<false>(sm, it, sm.task_tags() + it % gemm::kTaskTags);
+  gemm::arm_stop_stage<false>(sm, it, tail.task_tags() + it % gemm::kTaskTags);
 }
 
 // ---- the ring ------------------------------------------------------------------------------------

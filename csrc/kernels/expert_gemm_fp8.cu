@@ -31,8 +31,8 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
   const xgemm8::Smem sm = xgemm8::carve_smem(smem_raw);
   if (threadIdx.x < 32) xgemm::build_chunk_prefix<kChunk>(p.g, chunk_prefix);
   if (threadIdx.x == 32) {
-    if (kPaired) gemm::init_mailbox(sm.mailbox());
-    xgemm::init_task_ring(sm.task_ring());
+    if (kPaired) gemm::init_mailbox(sm.tail().mailbox());
+    xgemm::init_task_ring(sm.tail().task_ring());
   }
   gemm::init_ring_barriers_and_sync<kPaired>(sm, xgemm8::kWideStages);
   const int nk = xgemm8::k_blocks(p.g.K);
@@ -50,8 +50,8 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
         if (threadIdx.x != 32) return;
         const int units = xgemm::num_tasks(p.g, chunk_prefix) / (kPaired ? 2 : 1);  // paired: task pairs
         xgemm::claim_tasks(
-            sm.task_ring(),
-            [&](uint32_t j) { return gemm::claim_task<kPaired>(p.tickets, j, units, sm.mailbox()); },
+            sm.tail().task_ring(),
+            [&](uint32_t j) { return gemm::claim_task<kPaired>(p.tickets, j, units, sm.tail().mailbox()); },
             [&](int u, xgemm::Task* t, bool*) {
               *t = kPaired ? xgemm8::decode_pair(p.g, chunk_prefix, 2 * u + static_cast<int>(cluster_ctarank()))
                            : xgemm::decode(p.g, chunk_prefix, u);
@@ -62,16 +62,16 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
         uint32_t it = 0;
         for (;;) {
           {
-            const int slot = gemm::next_task(sm, it, sm.task_tags());
+            const int slot = gemm::next_task(sm, it, sm.tail().task_tags());
             if (slot < 0) break;
-            const xgemm::Task t = xgemm::load_task(sm.task_ring(), slot);
+            const xgemm::Task t = xgemm::load_task(sm.tail().task_ring(), slot);
             const float* ws = p.w_scale + ((int64_t)t.seg * p.g.n_blocks + t.block) * nk;
             xgemm8::mma_task_wide_any<kChunk, kPaired>(p.g, sm, cw, acc, sum, it, t.n_tok, ws);
           }
           // read again from the task's first stage's tag: the task (or its slot) kept live through
           // the main loop costs registers
-          const int slot = gemm::task_tag(sm.task_tags(), it - nk);
-          xgemm::Task done = xgemm::load_task(sm.task_ring(), slot);
+          const int slot = gemm::task_tag(sm.tail().task_tags(), it - nk);
+          xgemm::Task done = xgemm::load_task(sm.tail().task_ring(), slot);
           if constexpr (kEpi == Epilogue::kSwiGLUBackward) {
             xgemm::store_task_swiglu_bwd<kChunk, 0>(p.g, sm, done, cw, acc, p.h, nullptr);
           } else {
@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
             done.pad1 = done.pad0;
             xgemm::store_task<kEpi == Epilogue::kSwiGLU, kChunk, 0>(
                 p.g, sm, done, cw, acc, kEpi == Epilogue::kPlainPush ? &p.push : nullptr);
-            xgemm::store_task_padding<kEpi == Epilogue::kSwiGLU>(p.g, xgemm::load_task(sm.task_ring(), slot), cw);
+            xgemm::store_task_padding<kEpi == Epilogue::kSwiGLU>(p.g, xgemm::load_task(sm.tail().task_ring(), slot), cw);
           }
         }
       });
@@ -102,8 +102,8 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
   const xgemm8r::Smem sm = xgemm8r::carve_smem(smem_raw);
   if (threadIdx.x < 32) xgemm::build_chunk_prefix<xgemm8r::kTok>(p.g, chunk_prefix);
   if (threadIdx.x == 32) {
-    if (kPaired) gemm::init_mailbox(sm.mailbox());
-    xgemm::init_task_ring(sm.task_ring());
+    if (kPaired) gemm::init_mailbox(sm.tail().mailbox());
+    xgemm::init_task_ring(sm.tail().task_ring());
   }
   gemm::init_ring_barriers_and_sync<kPaired>(sm, xgemm8r::kStages);
   const int nk = xgemm8::k_blocks(p.g.K);
@@ -121,8 +121,8 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
         if (threadIdx.x != 32) return;
         const int units = kPaired ? xgemm8r::num_pair_units(p.g, chunk_prefix) : xgemm8r::num_tasks(p.g, chunk_prefix);
         xgemm::claim_tasks(
-            sm.task_ring(),
-            [&](uint32_t j) { return gemm::claim_task<kPaired>(p.tickets, j, units, sm.mailbox()); },
+            sm.tail().task_ring(),
+            [&](uint32_t j) { return gemm::claim_task<kPaired>(p.tickets, j, units, sm.tail().mailbox()); },
             [&](int u, xgemm::Task* t, bool* shares_w) {
               if constexpr (kPaired)
                 *t = xgemm8r::decode_pair(p.g, chunk_prefix, u, static_cast<int>(cluster_ctarank()), *shares_w);
@@ -135,15 +135,15 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
         uint32_t it = 0;
         for (;;) {
           {
-            const int slot = gemm::next_task(sm, it, sm.task_tags());
+            const int slot = gemm::next_task(sm, it, sm.tail().task_tags());
             if (slot < 0) break;
-            const xgemm::Task t = xgemm::load_task(sm.task_ring(), slot);
+            const xgemm::Task t = xgemm::load_task(sm.tail().task_ring(), slot);
             const float* ws = p.w_scale + ((int64_t)t.seg * p.g.n_blocks + xgemm8r::kTiles * t.block) * nk;
             xgemm8r::mma_task<kPaired>(p.g, sm, cw, t, acc, sum, it, ws);
           }
           // read again (as in expert_gemm_fp8_kernel)
-          const int slot = gemm::task_tag(sm.task_tags(), it - nk);
-          xgemm8r::store_task<kEpi>(p, sm, xgemm::load_task(sm.task_ring(), slot), cw, acc);
+          const int slot = gemm::task_tag(sm.tail().task_tags(), it - nk);
+          xgemm8r::store_task<kEpi>(p, sm, xgemm::load_task(sm.tail().task_ring(), slot), cw, acc);
         }
       });
   // paired: no CTA leaves while its peer may still multicast into it or arrive on its barriers

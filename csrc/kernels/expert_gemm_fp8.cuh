@@ -60,17 +60,10 @@ constexpr int kWideRBytes = kWideTok * 4;     // 1 KB
 constexpr int kOffStaging = kWideStages * (kWBytes + kWideXBytes);
 constexpr int kOffScales = kOffStaging + 2 * xgemm::kStageBytesPerWG;
 constexpr int kOffBarriers = kOffScales + kWideStages * kWideRBytes;
-// then the task tags [gemm::kTaskTags] (gemm::post_task), the producer's count of taken tasks (+ 1
-// int of padding), the mailbox [gemm::kMailbox] ints and its barriers [gemm::kMailbox], the task
-// ring (xgemm::TaskRing) and its two barriers
-constexpr int kOffTags = kOffBarriers + 2 * kWideStages * 8;
-constexpr int kOffMailbox = kOffTags + 4 * (gemm::kTaskTags + 2);
-constexpr int kOffMailboxBarriers = kOffMailbox + 4 * gemm::kMailbox;
-constexpr int kOffTaskRing = kOffMailboxBarriers + 8 * gemm::kMailbox;
-constexpr int kOffTaskRingBarriers = kOffTaskRing + 4 * xgemm::kTaskRing * xgemm::kTaskInts;
-constexpr int kSmemBytes = kOffTaskRingBarriers + 2 * 8 + 1024 /* alignment */;
-static_assert(kOffMailboxBarriers % 8 == 0 && kOffTaskRingBarriers % 8 == 0, "mbarriers need 8-byte alignment");
-static_assert(kWideStages < gemm::kTaskTags && kWideStages + 2 < xgemm::kTaskRing, "a task's tag and slot outlive their reading");
+// then the task bookkeeping (xgemm::TaskTail)
+constexpr int kOffTail = kOffBarriers + 2 * kWideStages * 8;
+constexpr int kSmemBytes = kOffTail + xgemm::TaskTail::kBytes + 1024 /* alignment */;
+static_assert(xgemm::task_tail_fits(kWideStages), "a task's tag and slot outlive their reading");
 static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 
 // What a task's epilogue writes (expert_gemm.cuh's stores): the forward's SwiGLU (act, optional
@@ -102,15 +95,7 @@ struct Smem {
   __device__ __forceinline__ uint8_t* scales(int s) const { return base + kOffScales + s * kWideRBytes; }
   __device__ __forceinline__ uint64_t* full(int s) const { return reinterpret_cast<uint64_t*>(base + kOffBarriers) + s; }
   __device__ __forceinline__ uint64_t* empty(int s) const { return full(kStages + s); }
-  __device__ __forceinline__ volatile int* task_tags() const { return reinterpret_cast<volatile int*>(base + kOffTags); }
-  __device__ __forceinline__ volatile int* taken() const { return task_tags() + gemm::kTaskTags; }
-  __device__ __forceinline__ gemm::Mailbox mailbox() const {
-    return {reinterpret_cast<volatile int*>(base + kOffMailbox), reinterpret_cast<uint64_t*>(base + kOffMailboxBarriers)};
-  }
-  __device__ __forceinline__ xgemm::TaskRing task_ring() const {
-    uint64_t* bars = reinterpret_cast<uint64_t*>(base + kOffTaskRingBarriers);
-    return {reinterpret_cast<volatile int*>(base + kOffTaskRing), bars, bars + 1};
-  }
+  __device__ __forceinline__ xgemm::TaskTail tail() const { return {base + kOffTail}; }
 };
 
 __device__ __forceinline__ Smem carve_smem(uint8_t* raw) {
