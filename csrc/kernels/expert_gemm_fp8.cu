@@ -17,7 +17,7 @@ namespace {
 using xgemm8::Epilogue;
 
 // Persistent CTAs claim the expert-major tasks (expert_gemm_kernel's order; gemm::claim_task,
-// xgemm::TaskSlot), tasks of <= kChunk token rows: 256 (the bf16 tasks' chunks; one chunk per expert
+// xgemm::TaskRing), tasks of <= kChunk token rows: 256 (the bf16 tasks' chunks; one chunk per expert
 // of <= 256 rows reads its weights once) or 128 (MOK_FP8_TASK_ROWS=128: the earlier chunks, same
 // bits). kPaired (MOK_FP8_TASKS=pairs; 256-row chunks, an even block count): 2-CTA clusters claim
 // units P in xgemm8::decode_pair's order, so the cluster's CTAs (tasks 2 P, 2 P + 1) run two weight
@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
 // two 128-row weight tiles on its N side; persistent CTAs claim them expert-major (as above).
 // kPaired (MOK_FP8_ROW_PAIRS=1, the default): 2-CTA clusters claim xgemm8r::decode_pair's units,
 // each CTA one task of the unit, a chunk pair's weights loaded half each and multicast (the task
-// slot's flag: shares_w).
+// ring's flag: shares_w).
 template <Epilogue kEpi, bool kPaired = false>
 __global__ void __launch_bounds__(xgemm::kThreads, 1)
     expert_gemm_fp8_rows_kernel(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
