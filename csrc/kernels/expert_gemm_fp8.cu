@@ -439,21 +439,24 @@ const char* task_layout(bool swiglu, TaskLayout* layout) {
   return strcmp(rows, "128") == 0 ? nullptr : "mok expert_gemm_fp8: MOK_FP8_TASK_ROWS must be 128 or 256";
 }
 
-// MOK_FP8_ROW_PAIRS: 1 (the default) runs the row-task launches in 2-CTA clusters whose chunk pairs
-// share their weights by multicast (xgemm8r::decode_pair; a weight-tile count that is not a
-// multiple of 4 runs unpaired); 0 one CTA a task (the A/B switch). Same bits.
-const char* row_pairs(bool* on) {
-  const char* v = getenv("MOK_FP8_ROW_PAIRS");
+// An A/B switch read per launch: unset or "1" is on, "0" off, anything else the error `bad`.
+const char* env_switch(const char* name, const char* bad, bool* on) {
+  const char* v = getenv(name);
   *on = v == nullptr || strcmp(v, "1") == 0;
-  return *on || strcmp(v, "0") == 0 ? nullptr : "mok expert_gemm_fp8: MOK_FP8_ROW_PAIRS must be 0 or 1";
+  return *on || strcmp(v, "0") == 0 ? nullptr : bad;
 }
 
-// MOK_GEMM_TICKETS: 1 (the default) the CTAs claim tasks from the launch's counter, 0 round-robin
-// (the A/B switch). Same bits.
+// MOK_FP8_ROW_PAIRS: 1 (the default) runs the row-task launches in 2-CTA clusters whose chunk pairs
+// share their weights by multicast (xgemm8r::decode_pair; a weight-tile count that is not a
+// multiple of 4 runs unpaired); 0 one CTA a task. Same bits.
+const char* row_pairs(bool* on) {
+  return env_switch("MOK_FP8_ROW_PAIRS", "mok expert_gemm_fp8: MOK_FP8_ROW_PAIRS must be 0 or 1", on);
+}
+
+// MOK_GEMM_TICKETS: 1 (the default) the CTAs claim tasks from the launch's counter, 0 round-robin.
+// Same bits.
 const char* task_tickets(bool* on) {
-  const char* v = getenv("MOK_GEMM_TICKETS");
-  *on = v == nullptr || strcmp(v, "1") == 0;
-  return *on || strcmp(v, "0") == 0 ? nullptr : "mok expert_gemm_fp8: MOK_GEMM_TICKETS must be 0 or 1";
+  return env_switch("MOK_GEMM_TICKETS", "mok expert_gemm_fp8: MOK_GEMM_TICKETS must be 0 or 1", on);
 }
 
 }  // namespace
