@@ -37,14 +37,16 @@ if _want_extension():
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
     here = os.path.dirname(os.path.abspath(__file__))
-    sources = ["csrc/bindings.cpp"] + sorted(
-        os.path.relpath(p, here) for p in glob.glob(os.path.join(here, "csrc/kernels/*.cu"))
+    # the torch op bindings by stage (csrc/bindings/*.cpp) and the kernel library by concern
+    # (csrc/kernels/{comm,gemm,quant,passes}/*.cu)
+    sources = sorted(os.path.relpath(p, here) for p in glob.glob(os.path.join(here, "csrc/bindings/*.cpp"))) + sorted(
+        os.path.relpath(p, here) for p in glob.glob(os.path.join(here, "csrc/kernels/**/*.cu"), recursive=True)
     )
     ext_modules = [
         CUDAExtension(
             "megatron_mok._C",
             sources,
-            include_dirs=[os.path.join(here, "csrc")] + _cutlass_include(),
+            include_dirs=[os.path.join(here, "csrc"), os.path.join(here, "csrc/kernels")] + _cutlass_include(),
             extra_compile_args={
                 "cxx": ["-O3", "-std=c++17"],
                 "nvcc": [

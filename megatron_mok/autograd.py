@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from . import fp8, functional
 from .config import MoKConfig
-from .workspace import MoKInputError, get_workspace
+from .workspace import MoKInputError, exchange, get_workspace, shape_values
 
 
 class _MoKMoE(torch.autograd.Function):
@@ -69,16 +69,60 @@ def mok_moe(x, top_experts, probs, fc1, fc2, shared_fc1=None, shared_fc2=None, *
     a weight changed through ``.data`` needs ``fp8.WEIGHT_CACHE.clear()`` (optimizer steps clear it
     once ``fp8.WEIGHT_CACHE.register_optimizer_hook()`` ran; the Megatron adapter does that).
     """
-    cfg = cfg or MoKConfig()
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise MoKInputError(f"x must be a [T, H] tensor, got {getattr(x, 'shape', type(x))}")
-    if not isinstance(top_experts, torch.Tensor) or top_experts.dim() != 2:
-        raise MoKInputError(f"top_experts must be a [T, k] tensor, got {getattr(top_experts, 'shape', type(top_experts))}")
-    if not isinstance(fc1, torch.Tensor) or fc1.dim() != 3:
-        raise MoKInputError(f"fc1 must be a [num_local_experts, 2*I, H] tensor, got {getattr(fc1, 'shape', fc1)}")
+    cfg = MoKConfig() if cfg is None else cfg
+    error = None
+    try:
+        _check_call(x, top_experts, probs, fc1, fc2, shared_fc1, shared_fc2, cfg)
+    except MoKInputError as err:
+        error = err
+    if error is not None:
+        # Share the verdict in this call's first collective (where the peers are now: workspace
+        # creation or the schedule's agreement), so every rank raises it and none waits for this one.
+        if not (isinstance(x, torch.Tensor) and functional._use_kernels(x)):
+            exchange(group, _exchange_home(x, fc1), "mok_moe", shape_values(None, None, None, None, None, cfg),
+                     error, timeout_s=cfg.peer_timeout_s if isinstance(cfg, MoKConfig) else None)
+        raise error
     ep = dist.get_world_size(group) if dist.is_initialized() else 1
     if num_experts is None:
         num_experts = fc1.shape[0] * ep
-    ws = get_workspace(group, x.device, x.shape[0], x.shape[1], top_experts.shape[1], num_experts, cfg)
+    ws = get_workspace(group, x.device, x.shape[0], x.shape[1], top_experts.shape[1], num_experts, cfg, x.dtype)
     sched = functional.build_schedule(cfg, ws, top_experts)
     return _MoKMoE.apply(x, probs, fc1, fc2, shared_fc1, shared_fc2, cfg, ws, sched, main_grads)
+
+
+def _exchange_home(x, fc1) -> torch.device:
+    for t in (fc1, x):
+        if isinstance(t, torch.Tensor) and t.device.type in ("cpu", "cuda"):
+            return t.device
+    return torch.device("cpu")
+
+
+def _check_call(x, top_experts, probs, fc1, fc2, shared_fc1, shared_fc2, cfg) -> None:
+    """Checks that name the argument at fault before the workspace (sized from x) exists: the
+    weights are the reference for the hidden size and the device."""
+    if not isinstance(cfg, MoKConfig):
+        raise MoKInputError(f"cfg must be a MoKConfig, got {type(cfg).__name__}")
+    if not isinstance(fc1, torch.Tensor) or fc1.dim() != 3:
+        raise MoKInputError(f"fc1 must be a [num_local_experts, 2*I, H] tensor, got {getattr(fc1, 'shape', fc1)}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise MoKInputError(f"x must be a [T, H] tensor, got {getattr(x, 'shape', type(x))}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        raise MoKInputError(f"x must be a bf16, fp16, fp32 or fp64 tensor, got {x.dtype}")
+    weights_agree = not (isinstance(fc2, torch.Tensor) and fc2.dim() == 3 and fc2.shape[1] != fc1.shape[2])
+    if x.shape[1] != fc1.shape[2] and weights_agree:  # else fc1 is the odd one out: the shape checks name it
+        raise MoKInputError(f"x has hidden size {x.shape[1]} (x: {list(x.shape)}), but the expert weights have "
+                            f"{fc1.shape[2]} (fc1: {list(fc1.shape)}): x must be [T, {fc1.shape[2]}]")
+    if x.device != fc1.device:
+        raise MoKInputError(f"x is on {x.device}, but the expert weights (fc1) are on {fc1.device}: "
+                            "move x to the weights' device")
+    if x.shape[0] == 0:
+        raise MoKInputError(f"x has no tokens (T=0, x: {list(x.shape)}); every rank of the EP group needs "
+                            "T > 0 tokens and the same T")
+    if not isinstance(top_experts, torch.Tensor) or top_experts.dim() != 2:
+        raise MoKInputError(f"top_experts must be a [T, k] tensor, got {getattr(top_experts, 'shape', type(top_experts))}")
+    if top_experts.shape[0] != x.shape[0]:
+        raise MoKInputError(f"top_experts has {top_experts.shape[0]} rows but x has {x.shape[0]} tokens")
+    for name, t in (("top_experts", top_experts), ("probs", probs), ("fc2", fc2), ("shared_fc1", shared_fc1),
+                    ("shared_fc2", shared_fc2)):
+        if isinstance(t, torch.Tensor) and t.device != fc1.device:
+            raise MoKInputError(f"{name} is on {t.device}, but x and the expert weights are on {fc1.device}")

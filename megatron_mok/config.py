@@ -15,6 +15,9 @@ import math
 ROW_ALIGN = 128
 
 PRECISIONS = ("bf16", "fp8")  # fp8: the routed experts' GEMMs in block-scaled e4m3 (fp8_dgrad)
+# How the forward pass is composed from the GEMM core: one persistent megakernel that overlaps the
+# dispatch and the combine with the GEMMs, or one launch per stage. The same bits either way.
+FORWARD_KERNELS = ("auto", "persistent", "staged")
 
 
 class MoKConfigError(ValueError):
@@ -25,33 +28,36 @@ class MoKConfigError(ValueError):
 class MoKConfig:
     """Knobs of one mok MoE layer pass.
 
-    fwd_comm_sms: SMs of the forward megakernel that pull-dispatch tokens before they compute (1-64).
-    bwd_comm_sms: CTAs of the backward megakernel that pull grad_out rows before they compute
-        (1-132); the staged backward (MOK_BWD_KERNEL=staged) gives its pull, push and row-gather
-        kernels 4 CTAs per such SM, and the shared expert's side stream the rest.
-    minibatch_rows: routed rows per compute/communication overlap step (multiple of ROW_ALIGN); the
-        megakernel overlaps in minibatch_rows / 256 token chunks of up to 256 rows (fp8:
-        minibatch_rows / 128 chunks of up to 128 rows; at least one).
+    fwd_comm_sms: SMs of the persistent forward megakernel that pull-dispatch tokens before they
+        compute (1-64).
+    bwd_comm_sms: SMs for the backward's pull and push kernels (1-132): they run 4 CTAs per such SM,
+        and the shared expert's side stream takes the rest.
+    minibatch_rows: routed rows per compute/communication overlap step of the persistent forward
+        (multiple of ROW_ALIGN): it overlaps in minibatch_rows / 256 token chunks of up to 256 rows
+        (at least one).
     capacity_factor: fraction of the worst case (every token of every rank routed here) that the
         routed-row buffer holds; 1.0 can never overflow. Overflow raises, it never drops tokens.
     precision: "bf16", or "fp8": the routed experts' forward GEMMs on block-scaled e4m3 operands
-        (megatron_mok/fp8.py; either forward path, same bits; weight gradients and outputs stay
-        bf16). Unlike the other knobs it changes results (within the e4m3 quantization).
+        (megatron_mok/fp8.py; the staged forward; outputs stay bf16). Unlike the other knobs it
+        changes results (within the e4m3 quantization).
     fp8_dgrad: with precision "fp8", also the backward's routed dgrads (dy against fc2, dh against
-        fc1) on e4m3 operands (the staged backward launches); False: they stay bf16. Changes
-        results like precision does.
+        fc1) on e4m3 operands; False: they stay bf16. Changes results like precision does.
     fp8_wgrad: with precision "fp8", also the routed experts' weight gradients on e4m3 operands
         (dy, act, dh and the dispatched rows quantized per expert and column: one scale per column
-        over the expert's rows, as DeepSeek-V3 quantizes the token axis; the staged backward
-        launches); False: they stay bf16. Changes results like precision does.
+        over the expert's rows, as DeepSeek-V3 quantizes the token axis); False: they stay bf16. Changes results like precision does.
     fp8_shared: with precision "fp8", also the shared expert's forward GEMMs on e4m3 operands (when
         its intermediate size is a multiple of 128; its backward stays bf16: e4m3 dgrads measured
-        slower, docs/KERNELS.md); False: they stay bf16. Changes results like precision does.
+        slower, docs/DESIGN.md); False: they stay bf16. Changes results like precision does.
     peer_timeout_s: how long a device-side wait on a peer rank may spin before it reports a
         stalled peer instead of hanging.
     save_gate_up: keep the gate/up GEMM outputs for the backward (2 I bf16 per routed row, 2 Is
         per token for the shared expert); False: the backward recomputes them (one gate/up GEMM
         more, same bits).
+    forward_kernel: "persistent" runs the forward as one persistent megakernel (dispatch and
+        combine overlapped with the GEMMs; bf16 only), "staged" as one launch per stage, "auto"
+        picks by precision (``resolved_forward_kernel``). The same bits either way.
+    strict: raise instead of warning once when a call cannot run on the CUDA kernels (dtype or sizes
+        they do not take) and would run the slow pure-PyTorch reference instead.
     """
 
     fwd_comm_sms: int = 24
@@ -64,6 +70,8 @@ class MoKConfig:
     fp8_shared: bool = True
     peer_timeout_s: float = 30.0
     save_gate_up: bool = True
+    forward_kernel: str = "auto"
+    strict: bool = False
 
     def __post_init__(self) -> None:
         for name in ("fwd_comm_sms", "bwd_comm_sms", "minibatch_rows"):
@@ -88,7 +96,16 @@ class MoKConfig:
             raise MoKConfigError(
                 f"MoKConfig.precision must be one of {PRECISIONS}, got {self.precision!r}"
             )
-        for name in ("save_gate_up", "fp8_dgrad", "fp8_wgrad", "fp8_shared"):
+        if self.forward_kernel not in FORWARD_KERNELS:
+            raise MoKConfigError(
+                f"MoKConfig.forward_kernel must be one of {FORWARD_KERNELS}, got {self.forward_kernel!r}"
+            )
+        if self.forward_kernel == "persistent" and self.precision != "bf16":
+            raise MoKConfigError(
+                "MoKConfig.forward_kernel='persistent' runs bf16 only; with precision='fp8' use "
+                "'staged' or 'auto'"
+            )
+        for name in ("save_gate_up", "fp8_dgrad", "fp8_wgrad", "fp8_shared", "strict"):
             if not isinstance(getattr(self, name), bool):
                 raise MoKConfigError(f"MoKConfig.{name} must be a bool, got {getattr(self, name)!r}")
         t = self.peer_timeout_s
@@ -97,6 +114,16 @@ class MoKConfig:
 
     def replace(self, **changes) -> "MoKConfig":
         return dataclasses.replace(self, **changes)
+
+    def resolved_forward_kernel(self, ep_size: int) -> str:
+        """The forward composition a call runs: ``forward_kernel``, or for "auto" the persistent
+        megakernel for bf16 (it hides the dispatch and combine behind the GEMMs at EP > 1, and at
+        EP=1 it measured 3-5% faster than the staged launches on H100, 1-5% slower on H200) and the
+        staged launches for fp8. docs/DESIGN.md has the figures. ``ep_size`` is part of the rule's
+        signature because the figures are per EP size."""
+        if self.forward_kernel != "auto":
+            return self.forward_kernel
+        return "persistent" if self.precision == "bf16" else "staged"
 
     @property
     def dgrad_precision(self) -> str:

@@ -14,7 +14,7 @@ The recipe (DeepSeek-V3's fine-grained scaling):
   together with the same up rows of fc1 (``[gate; up]`` layout).
 
 The GEMM sums each 128-column block afresh in the tensor cores and adds it, times its two
-scales, to fp32 accumulators (csrc/kernels/expert_gemm_fp8.cuh).
+scales, to fp32 accumulators (csrc/kernels/gemm/expert_gemm_fp8.cuh).
 
 The backward's routed dgrads (``MoKConfig.fp8_dgrad``) use the same weight tiles transposed
 (``E4M3Weight.transposed``: e4m3 wgmma reads K-major operands only, and a 128 x 128 tile keeps its

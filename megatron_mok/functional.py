@@ -1,50 +1,134 @@
 """Public functional API: schedule, forward, backward, recompute.
 
-CUDA inputs run the compiled kernels (``megatron_mok.kernel_path``) when the extension is built;
-everything else runs the pure-PyTorch reference (``megatron_mok.reference``). Both follow the
-same contracts (docs/ARCHITECTURE.md). Set ``MOK_FORCE_REFERENCE=1`` to use the reference on CUDA.
+CUDA inputs run the compiled kernels (``megatron_mok.cuda``) when the extension is built and the
+inputs suit them (``cuda.unsupported_reason``); everything else runs the pure-PyTorch reference
+(``megatron_mok.reference``). Both follow the same contracts (docs/DESIGN.md). Set
+``MOK_FORCE_REFERENCE=1`` to use the reference on CUDA.
+
+Slow paths are never silent: a CUDA call that would run the reference (fp16/fp32 activations, sizes
+the kernels do not take, no extension) warns once per reason, naming it and what to change, and
+raises ``MoKInputError`` instead with ``MoKConfig(strict=True)``.
+
+Failure semantics: every call checks its own inputs on the host before its first collective. On the
+reference path that verdict travels in the call's first collective (the agreement packet of
+``workspace.exchange``), so one rank's bad input makes every rank raise the same ``MoKInputError``,
+naming the field and the failing rank, instead of leaving its peers waiting. On the kernel path the
+checks raise on the failing rank before any launch, and the peers' device-side waits end with
+``MoKPeerTimeoutError`` after ``MoKConfig.peer_timeout_s`` (no host sync is added).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
+import warnings
 
 import torch
-import torch.distributed as dist
 
 from . import fp8, reference
-from .config import MoKConfig
-from .schedule import MoKSchedule, build_schedule_reference
-from .workspace import ErrorCode, MoKInputError, MoKWorkspace
+from .config import ROW_ALIGN, MoKConfig
+from .grads import MoKGrads
+from .schedule import (
+    MoKSchedule,
+    build_schedule_reference,
+    check_schedule,
+    stamp_schedule,
+)
+from .workspace import (
+    Agreed,
+    ErrorCode,
+    MoKInputError,
+    MoKWorkspace,
+    exchange,
+    shape_values,
+)
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # fp64: reference only
 
+__all__ = ["MoKGrads", "backward", "build_schedule", "check_inputs", "forward", "quantize_expert_weights",
+           "recompute_forward_context", "report_slow_path", "slow_path_reason"]
 
-@dataclasses.dataclass
-class MoKGrads:
-    dx: torch.Tensor  # [T, H], dtype of x
-    dprobs: torch.Tensor  # [T, k] fp32
-    # Weight gradients: fp32 on the reference path, bf16 on the CUDA path (fp32 accumulation inside
-    # each GEMM, one rounding); None when accumulated into main_grads.
-    dfc1: torch.Tensor | None
-    dfc2: torch.Tensor | None
-    dshared_fc1: torch.Tensor | None
-    dshared_fc2: torch.Tensor | None
+
+def _forced_reference() -> bool:
+    return os.environ.get("MOK_FORCE_REFERENCE") == "1"
+
+
+def _cuda():
+    from . import cuda
+
+    return cuda
+
+
+def slow_path_reason(ws: MoKWorkspace, x, fc1, shared_fc1=None) -> str | None:
+    """Why a call with CUDA inputs would run the slow pure-PyTorch reference instead of the kernels,
+    or None (CPU inputs: the reference is the CPU path; ``MOK_FORCE_REFERENCE=1``: asked for)."""
+    if not isinstance(x, torch.Tensor) or x.device.type != "cuda" or _forced_reference():
+        return None
+    from . import ops
+
+    if not ops.is_available():
+        return (f"the mok CUDA extension is not available ({ops.load_error() or 'not built'}); build it "
+                "(MOK_BUILD_EXT=1, see README)")
+    return _cuda().unsupported_reason(ws, x, fc1, shared_fc1)
+
+
+def layer_slow_path_reason(dtype: torch.dtype, hidden: int, ffn: int, shared_ffn: int | None, num_experts: int,
+                           ep_size: int, topk: int) -> str | None:
+    """``slow_path_reason`` of a layer with these sizes on CUDA, known when the layer is built (before
+    any call: no tensor or workspace exists yet; meta stand-ins carry the shapes)."""
+    if not torch.cuda.is_available() or _forced_reference():
+        return None
+    from . import ops
+
+    if not ops.is_available():
+        return (f"the mok CUDA extension is not available ({ops.load_error() or 'not built'}); build it "
+                "(MOK_BUILD_EXT=1, see README)")
+    meta = torch.device("meta")
+    ws = MoKWorkspace(group=None, rank=0, ep_size=ep_size, device=meta, num_tokens=1, hidden=hidden, topk=topk,
+                      num_experts=num_experts, capacity_factor=1.0, capacity=ROW_ALIGN,
+                      errors=torch.zeros(ErrorCode.NUM_CODES, dtype=torch.int32, device=meta), dtype=dtype)
+    x = torch.empty((1, hidden), dtype=dtype, device=meta)
+    fc1 = torch.empty((max(num_experts // max(ep_size, 1), 1), 2 * ffn, hidden), dtype=dtype, device=meta)
+    shared = torch.empty((2 * shared_ffn, hidden), dtype=dtype, device=meta) if shared_ffn else None
+    return _cuda().unsupported_reason(ws, x, fc1, shared)
+
+
+_SLOW_WARNED: set = set()
+
+
+def report_slow_path(cfg: MoKConfig, reason: str | None, where: str = "the mok layer", hint: str = "") -> None:
+    """Warn once per reason that ``where`` runs the pure-PyTorch reference on CUDA, or raise
+    ``MoKInputError`` with ``cfg.strict``. Nothing to do for ``reason`` None."""
+    if reason is None:
+        return
+    text = (f"megatron_mok: {where} runs the pure-PyTorch reference on CUDA, many times slower than the "
+            f"mok kernels, because {reason}. Change that to run the kernels{hint}")
+    if cfg.strict:
+        raise MoKInputError(f"{text} (MoKConfig.strict / --mok-strict makes this an error instead of a warning)")
+    if reason not in _SLOW_WARNED:
+        _SLOW_WARNED.add(reason)
+        warnings.warn(f"{text}; MoKConfig(strict=True) / --mok-strict makes this an error. (Warned once.)",
+                      stacklevel=3)
+
+
+def _route(cfg: MoKConfig, ws: MoKWorkspace, x, fc1, shared_fc1, where: str) -> bool:
+    """True: the kernel path. Warns (or, strict, raises) when CUDA inputs fall back."""
+    if not isinstance(x, torch.Tensor) or x.device.type != "cuda" or _forced_reference():
+        return False
+    reason = slow_path_reason(ws, x, fc1, shared_fc1)
+    report_slow_path(cfg, reason, where)
+    return reason is None
+
+
+def _use_kernels_for(x) -> bool:
+    return isinstance(x, torch.Tensor) and _use_kernels(x)
 
 
 def _use_kernels(t: torch.Tensor) -> bool:
-    if t.device.type != "cuda" or os.environ.get("MOK_FORCE_REFERENCE") == "1":
+    if t.device.type != "cuda" or _forced_reference():
         return False
     from . import ops
 
     return ops.is_available()
-
-
-def _kernel_path():
-    from . import kernel_path
-
-    return kernel_path
 
 
 def _check_tensor(name, t, shape, dtypes, device):
@@ -92,10 +176,14 @@ def flag_nonfinite_probs(ws: MoKWorkspace, probs: torch.Tensor) -> None:
 
 
 def build_schedule(cfg: MoKConfig, ws: MoKWorkspace, top_experts: torch.Tensor) -> MoKSchedule:
-    """All-gather the routing of the EP group and build this rank's routed-row schedule."""
+    """All-gather the routing of the EP group and build this rank's routed-row schedule.
+
+    The schedule carries its identity (this workspace, which of its schedules it is, the routing):
+    a forward must use the newest schedule of its workspace, a backward the one its context's
+    forward used."""
     if _use_kernels(top_experts):
-        return _kernel_path().build_schedule(cfg, ws, top_experts)
-    return build_schedule_reference(ws, top_experts)
+        return stamp_schedule(ws, _cuda().build_schedule(cfg, ws, top_experts))
+    return build_schedule_reference(ws, top_experts, cfg)
 
 
 def quantize_expert_weights(fc1: torch.Tensor, fc2: torch.Tensor, transposed: bool = False, shared_fc1=None,
@@ -111,7 +199,7 @@ def quantize_expert_weights(fc1: torch.Tensor, fc2: torch.Tensor, transposed: bo
         raise MoKInputError("quantize_expert_weights: shared_fc1 and shared_fc2 go together")
     ws = [w for w in (fc1, fc2, shared_fc1, shared_fc2) if w is not None]
     if all(w.dtype == torch.bfloat16 for w in ws) and _use_kernels(fc1):
-        return _kernel_path().quantize_expert_weights(fc1, fc2, transposed, shared_fc1, shared_fc2)
+        return _cuda().quantize_expert_weights(fc1, fc2, transposed, shared_fc1, shared_fc2)
     return fp8.quantize_expert_weights(fc1, fc2, transposed, shared_fc1, shared_fc2)
 
 
@@ -129,42 +217,105 @@ def _check_fp8(cfg: MoKConfig, ws: MoKWorkspace, fc1, fc2, fp8_weights) -> None:
         raise MoKInputError("fp8_weights must come from quantize_expert_weights(fc1, fc2) of these weights' shapes")
 
 
+def _check_cfg(cfg) -> None:
+    if not isinstance(cfg, MoKConfig):
+        raise MoKInputError(f"cfg must be a MoKConfig, got {type(cfg).__name__}")
+
+
+def _call_values(cfg, ws: MoKWorkspace, x, fc1, shared_fc1, fp8_weights, *extra: Agreed) -> list[Agreed]:
+    """What every rank of one forward / backward / recompute call must agree on."""
+    dtype = x.dtype if isinstance(x, torch.Tensor) else None
+    two_i = fc1.shape[1] if isinstance(fc1, torch.Tensor) and fc1.dim() == 3 else None
+    two_is = shared_fc1.shape[0] if isinstance(shared_fc1, torch.Tensor) and shared_fc1.dim() == 2 else 0
+    return [*shape_values(ws.num_tokens, ws.hidden, ws.topk, ws.num_experts, dtype, cfg),
+            Agreed("expert intermediate size 2*I (fc1 rows)", "int", two_i),
+            Agreed("shared expert size 2*Is (shared_fc1 rows; 0: none)", "int", two_is),
+            Agreed("fp8_weights given", "bool", fp8_weights is not None), *extra]
+
+
+def _tag_context(ctx, sched: MoKSchedule):
+    """Record in the forward context which schedule it was made with (for the backward's check)."""
+    if ctx is not None and sched.identity is not None:
+        try:
+            ctx.schedule_id = sched.identity
+        except AttributeError:  # a context type that takes no attributes: not checked
+            pass
+    return ctx
+
+
+def _check_context(ctx, sched: MoKSchedule, call: str) -> None:
+    made_with = getattr(ctx, "schedule_id", None)
+    if ctx is None or made_with is None or sched.identity is None:
+        return
+    if made_with != sched.identity:
+        raise MoKInputError(
+            f"{call}: ctx and sched do not belong together: ctx comes from the forward that ran schedule "
+            f"{made_with[1]} of workspace #{made_with[0]}, sched is schedule {sched.step} of workspace "
+            f"#{sched.workspace_uid}; pass the schedule that forward used"
+        )
+
+
 def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1, fc2,
             shared_fc1=None, shared_fc2=None, fp8_weights: fp8.FP8ExpertWeights | None = None):
     """One MoE layer forward. Returns ``(out [T, H], ctx)``; ctx feeds ``backward``.
 
+    ``sched`` must be the newest schedule built on ``ws`` (``build_schedule`` with this call's routing).
     ``MoKConfig(precision="fp8")``: the routed experts' GEMMs run on block-scaled e4m3 operands
     (megatron_mok/fp8.py); ``fp8_weights`` (``quantize_expert_weights``) saves quantizing the
     weights in every call. The backward's routed dgrads follow ``cfg.fp8_dgrad``.
     """
-    check_inputs(ws, x, probs, fc1, fc2, shared_fc1, shared_fc2)
-    _check_fp8(cfg, ws, fc1, fc2, fp8_weights)
-    use_kernels = _use_kernels(x)
-    if not (use_kernels and _kernel_path().checks_probs_on_device(ws, x, fc1, shared_fc1)):
-        flag_nonfinite_probs(ws, probs)  # the kernel paths check probs in their epilogue launch
+    error, use_kernels = None, False
+    try:
+        _check_cfg(cfg)
+        check_schedule(ws, sched, "forward", latest=True)
+        check_inputs(ws, x, probs, fc1, fc2, shared_fc1, shared_fc2)
+        _check_fp8(cfg, ws, fc1, fc2, fp8_weights)
+        use_kernels = _route(cfg, ws, x, fc1, shared_fc1, "forward")
+    except MoKInputError as err:
+        error = err
+    if error is not None and _use_kernels_for(x):
+        raise error  # the kernel path: peers' device waits time out (no host collective to share it)
     if use_kernels:
         if not torch.cuda.is_current_stream_capturing():
             ws.check_errors()  # sync-free: raises errors of earlier calls once their copy landed
-        return _kernel_path().forward(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2,
-                                      fp8_weights=fp8_weights)
-    if ws.ep_size > 1:
-        # The probs check above only saw this rank's router weights; the reference forward's next
-        # step is a collective, so every rank must raise together or the healthy ones would hang.
-        dist.all_reduce(ws.errors, op=dist.ReduceOp.MAX, group=ws.group)
+        out, ctx = _cuda().forward(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2,
+                                          fp8_weights=fp8_weights)
+        return out, _tag_context(ctx, sched)
+    if error is None:
+        flag_nonfinite_probs(ws, probs)  # this rank's router weights; the exchange merges every rank's
+    # The call's first collective: this rank's verdict, the values every rank must agree on, and the
+    # error flags (so a NaN router weight on one rank raises on all).
+    exchange(ws.group, ws.device, "forward", _call_values(cfg, ws, x, fc1, shared_fc1, fp8_weights), error,
+             errors=ws.errors, timeout_s=ws.peer_timeout_s)
     ws.check_errors(blocking=True)
-    return reference.forward(ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, cfg.precision,
-                             cfg.shared_precision)
+    out, ctx = reference.forward(ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, cfg.precision,
+                                 cfg.shared_precision)
+    return out, _tag_context(ctx, sched)
 
 
 def recompute_forward_context(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, fc1, fc2,
                               shared_fc1=None, fp8_weights: fp8.FP8ExpertWeights | None = None):
     """Rebuild the forward context (activation checkpointing): dispatch up to the expert outputs."""
-    _check_fp8(cfg, ws, fc1, fc2, fp8_weights)
-    if _use_kernels(x):
-        return _kernel_path().recompute_forward_context(cfg, ws, sched, x, fc1, fc2, shared_fc1,
-                                                        fp8_weights=fp8_weights)
-    return reference.recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1, cfg.precision,
-                                               cfg.shared_precision)
+    error, use_kernels = None, False
+    try:
+        _check_cfg(cfg)
+        check_schedule(ws, sched, "recompute_forward_context", latest=False)
+        _check_tensor("x", x, (ws.num_tokens, ws.hidden), _FLOAT_DTYPES, ws.device)
+        _check_fp8(cfg, ws, fc1, fc2, fp8_weights)
+        use_kernels = _route(cfg, ws, x, fc1, shared_fc1, "recompute_forward_context")
+    except MoKInputError as err:
+        error = err
+    if error is not None and _use_kernels_for(x):
+        raise error  # the kernel path: peers' device waits time out (no host collective to share it)
+    if use_kernels:
+        ctx = _cuda().recompute_forward_context(cfg, ws, sched, x, fc1, fc2, shared_fc1,
+                                                       fp8_weights=fp8_weights)
+        return _tag_context(ctx, sched)
+    exchange(ws.group, ws.device, "recompute", _call_values(cfg, ws, x, fc1, shared_fc1, fp8_weights), error,
+             timeout_s=ws.peer_timeout_s)
+    ctx = reference.recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1, cfg.precision,
+                                              cfg.shared_precision)
+    return _tag_context(ctx, sched)
 
 
 def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out, x, probs, fc1, fc2,
@@ -172,20 +323,36 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
              fp8_weights: fp8.FP8ExpertWeights | None = None) -> MoKGrads:
     """Gradients of one MoE layer.
 
+    ``sched`` must be the schedule the forward that made ``ctx`` ran (ctx None: recomputed here).
     ``main_grads``: optional fp32 tensors ``(fc1, fc2, shared_fc1, shared_fc2)`` (entries may be
     None) that the weight gradients are accumulated into (Megatron's gradient-accumulation
     fusion); the matching fields of the result are then None. ``fp8_weights``: with
     ``cfg.dgrad_precision == "fp8"``, ``quantize_expert_weights(fc1, fc2, transposed=True)`` of these
     weights (else the dgrads' e4m3 copies are made in this call).
     """
-    check_inputs(ws, x, probs, fc1, fc2, shared_fc1, shared_fc2)
-    _check_tensor("grad_out", grad_out, (ws.num_tokens, ws.hidden), (x.dtype,), ws.device)
-    _check_fp8(cfg, ws, fc1, fc2, fp8_weights)
-    if _use_kernels(x) and hasattr(_kernel_path(), "backward"):
-        return _kernel_path().backward(cfg, ws, sched, ctx, grad_out, x, probs, fc1, fc2,
+    error, use_kernels = None, False
+    try:
+        _check_cfg(cfg)
+        check_schedule(ws, sched, "backward", latest=False)
+        _check_context(ctx, sched, "backward")
+        check_inputs(ws, x, probs, fc1, fc2, shared_fc1, shared_fc2)
+        _check_tensor("grad_out", grad_out, (ws.num_tokens, ws.hidden), (x.dtype,), ws.device)
+        _check_fp8(cfg, ws, fc1, fc2, fp8_weights)
+        use_kernels = _route(cfg, ws, x, fc1, shared_fc1, "backward") and not isinstance(ctx, reference.ReferenceContext)
+    except MoKInputError as err:
+        error = err
+    if error is not None and _use_kernels_for(x):
+        raise error  # the kernel path: peers' device waits time out (no host collective to share it)
+    if use_kernels:
+        return _cuda().backward(cfg, ws, sched, ctx, grad_out, x, probs, fc1, fc2,
                                        shared_fc1, shared_fc2, main_grads, fp8_weights=fp8_weights)
+    given = "reference" if isinstance(ctx, reference.ReferenceContext) else "none (recomputed)"
+    exchange(ws.group, ws.device, "backward",
+             _call_values(cfg, ws, x, fc1, shared_fc1, fp8_weights, Agreed("forward context", "str", given)),
+             error, timeout_s=ws.peer_timeout_s)
     if not isinstance(ctx, reference.ReferenceContext):
-        ctx = reference.recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1, cfg.precision)
+        ctx = reference.recompute_forward_context(ws, sched, x, fc1, fc2, shared_fc1, cfg.precision,
+                                                  cfg.shared_precision)
     dx, dprobs, *wgrads = reference.backward(ws, sched, ctx, grad_out, x, probs, fc1, fc2, shared_fc1, shared_fc2,
                                              dgrad_precision=cfg.dgrad_precision,
                                              wgrad_precision=cfg.wgrad_precision)

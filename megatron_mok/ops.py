@@ -12,23 +12,19 @@ impls are no-ops and torch.compile can trace calls.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 
 _AVAILABLE: bool | None = None
 _LOAD_ERROR: str | None = None
 
-# Must match kChunk in csrc/kernels/schedule.cu (tokens per block of the schedule passes).
+# Must match kChunk in csrc/kernels/comm/schedule.cu (tokens per block of the schedule passes).
 SCHEDULE_CHUNK = 256
-# Must match csrc/kernels/persistent.cuh (kHeader ints), then (megakernel.cu, bwd_megakernel.cu) 2
-# per routed m-tile, 1 per shared m-tile.
+# Must match csrc/kernels/passes/persistent.cuh (kHeader ints), then (megakernel.cu) 2 per routed
+# m-tile, 1 per shared m-tile.
 MEGA_COUNTER_HEADER = 4
 ROW_TILE = 128
-# Must match xgemm::kMaxSeg in csrc/kernels/expert_gemm.cuh: segments (local experts) per launch.
+# Must match xgemm::kMaxSeg in csrc/kernels/gemm/expert_gemm.cuh: segments (local experts) per launch.
 EXPERT_GEMM_MAX_SEGMENTS = 512
-# Must match kMaxPrefix - 1 in csrc/kernels/bwd_megakernel.cu (its chunk prefix fills exactly 2 KB).
-BWD_MEGAKERNEL_MAX_EXPERTS = 511
 
 
 def _load() -> bool:
@@ -61,11 +57,9 @@ def _register_fakes() -> None:
         return None
 
     for name in ("barrier", "barrier_open", "publish_barrier", "build_schedule", "dispatch", "dispatch_e4m3",
-                 "pull_tokens", "grouped_gemm",
-                 "combine", "moe_epilogue", "moe_epilogue_wait", "megakernel", "megakernel_timeline",
-                 "bwd_publish", "bwd_pull",
-                 "bwd_tight_map", "gather_rows", "swiglu_backward", "expert_dgrad", "expert_wgrad", "zero_empty_segments", "bwd_push",
-                 "bwd_epilogue_wait", "bwd_megakernel", "expert_gemm_fp8", "quantize_rows_e4m3", "dequantize_rows_e4m3", "quantize_weight_e4m3",
+                 "grouped_gemm", "combine", "moe_epilogue", "moe_epilogue_wait", "megakernel", "megakernel_timeline",
+                 "bwd_publish", "bwd_pull", "expert_dgrad", "expert_wgrad", "bwd_push", "bwd_epilogue_wait",
+                 "expert_gemm_fp8", "quantize_rows_e4m3", "dequantize_rows_e4m3", "quantize_weight_e4m3",
                  "quantize_columns_e4m3", "expert_wgrad_fp8"):
         torch.library.register_fake(f"megatron_mok::{name}")(_noop)
 
@@ -81,10 +75,9 @@ def schedule_scratch_ints(ep: int, num_tokens: int, nle: int, num_experts: int) 
     return nle * ep * math.ceil(num_tokens / SCHEDULE_CHUNK) + num_experts
 
 
-def megakernel_counter_ints(capacity: int, num_tokens: int, act_blocks: int = 0) -> int:
-    """int32 counters of the forward megakernel, and of the backward one (the same layout size);
-    act_blocks: I / 128 for the fp8 forward (a counter per 128-row block and act block)."""
-    return MEGA_COUNTER_HEADER + (2 + act_blocks) * (capacity // ROW_TILE) + math.ceil(num_tokens / ROW_TILE)
+def megakernel_counter_ints(capacity: int, num_tokens: int) -> int:
+    """int32 counters of the forward megakernel."""
+    return MEGA_COUNTER_HEADER + 2 * (capacity // ROW_TILE) + math.ceil(num_tokens / ROW_TILE)
 
 
 def publish_barrier(src, dst, state, errors, peer_flags: list[int], rank: int, timeout_s: float) -> None:
@@ -102,7 +95,7 @@ def barrier_open(state, peer_flags: list[int], rank: int) -> None:
     _ops().barrier_open(state, peer_flags, rank)
 
 
-def build_schedule(top_experts, routing_buf, state, errors, top_all, row_src_rank, row_src_slot, expert_counts,
+def build_schedule(*, top_experts, routing_buf, state, errors, top_all, row_src_rank, row_src_slot, expert_counts,
                    expert_offsets, scratch, peer_bufs: list[int], peer_flags: list[int], rank: int, num_experts: int,
                    timeout_s: float) -> None:
     """Routing all-gather by peer stores (into ``peer_bufs``; ``routing_buf`` is this rank's), the
@@ -124,23 +117,6 @@ def dispatch_e4m3(row_src_rank, row_src_slot, expert_offsets, q_routed, scale_t,
     layout ``expert_gemm_fp8`` reads). Padding rows get zero rows and zero scales."""
     _ops().dispatch_e4m3(row_src_rank, row_src_slot, expert_offsets, q_routed, scale_t, peer_q, peer_s, scale_pitch,
                          topk, num_ctas)
-
-
-def pull_tokens(top_all, rank: int, nle: int, peer_rows: list[int], rows_out, peer_scales: list[int] | None = None,
-                scales_out=None, num_ctas: int = 0) -> None:
-    """The remote tokens routed to this rank, each pulled over NVLink once: for every source rank
-    ``src != rank`` and token ``t`` with one of its experts (``top_all [ep, T, k]``) on this rank (global
-    ids ``rank * nle .. + nle - 1``), ``rows_out[src, t]`` <- row ``t`` of ``peer_rows[src]`` (rows of
-    ``rows_out[0, 0]``'s bytes), and likewise ``scales_out`` from ``peer_scales``. Other rows are not
-    written. See ``local_sources`` for the dispatches that then read them."""
-    _ops().pull_tokens(top_all, rank, nle, peer_rows, rows_out, peer_scales or [], scales_out, num_ctas)
-
-
-def local_sources(peer_ptrs: list[int], rank: int, pulled) -> list[int]:
-    """The dispatches' source table after ``pull_tokens``: this rank's own buffer, and each other
-    rank's slice ``pulled[src]`` of the local copy."""
-    stride = pulled[0].numel() * pulled.element_size()
-    return [p if r == rank else pulled.data_ptr() + r * stride for r, p in enumerate(peer_ptrs)]
 
 
 def grouped_gemm(a, b, seg_offsets, out, swiglu: bool, num_ctas: int = 0, seg_counts=None, pre_out=None) -> None:
@@ -212,16 +188,13 @@ def expert_gemm_fp8(x8, x_scale, w8, w_scale, seg_offsets, seg_counts, out, swig
     down-projection dgrad, plain weights, e.g. fc2's transposed copy): out = dh [rows, 2 N], the
     SwiGLU backward of the products with the pre-activations h [rows, 2 N], as ``expert_dgrad``.
     push = (row_src_rank, row_src_slot, peer_comb) (plain weights): the rows also go into their
-    source slots, the stores of ``combine``, from the epilogue. ``MOK_FP8_TASKS`` picks the task
-    layout (same bits; other values raise): ``rows`` (<= 128 token rows on wgmma's M side against
-    two 128-row weight tiles), ``columns`` (the weights on the M side, up to 256 token rows;
-    ``MOK_FP8_TASK_ROWS=128``: 128), ``pairs`` (columns in 2-CTA clusters sharing the token rows by
-    multicast) or ``auto`` (the default: pairs for SwiGLU, rows otherwise). The row tasks run in
-    2-CTA clusters whose chunk pairs share each weight tile by multicast (``MOK_FP8_ROW_PAIRS=1``,
-    the default; ``0``: one CTA a task).
+    source slots, the stores of ``combine``, from the epilogue. Tasks: the gate/up GEMM (swiglu)
+    runs column tasks (the weights on wgmma's M side, up to 256 token rows) in 2-CTA clusters that
+    share the token rows by multicast; the others run row tasks (<= 128 token rows on the M side
+    against two 128-row weight tiles) in 2-CTA clusters whose chunk pairs share each weight tile.
     dh_e4m3 = (q [rows, 2 N] e4m3, scale [2 N / 128, ld] fp32) (with h): dh's e4m3 copy as well, the
     bits of ``quantize_rows_e4m3(dh, offsets[-1:], gate_up_pairs=True)``, written by the row tasks'
-    epilogue (the other layouts quantize after the GEMM)."""
+    epilogue."""
     rank_of, slot_of, peers = push if push is not None else (None, None, [])
     dh_q, dh_q_scale = dh_e4m3 if dh_e4m3 is not None else (None, None)
     _ops().expert_gemm_fp8(x8, x_scale, w8, w_scale, seg_offsets, seg_counts, out, pre_out, swiglu, num_ctas, h,
@@ -245,50 +218,22 @@ def moe_epilogue_wait(comb, probs, shared_y, out, state, errors, peer_flags: lis
     _ops().moe_epilogue_wait(comb, probs, shared_y, out, state, errors, peer_flags, rank, float(timeout_s))
 
 
-def megakernel(x, fc1, fc2, shared_fc1, shared_fc2, row_src_rank, row_src_slot, expert_counts, expert_offsets,
+def megakernel(*, x, fc1, fc2, shared_fc1, shared_fc2, row_src_rank, row_src_slot, expert_counts, expert_offsets,
                x_routed, act, h, y_routed, shared_act, shared_h, shared_y, counters, state, errors,
                peer_x: list[int], peer_comb: list[int], peer_flags: list[int], rank: int, topk: int, num_comm: int,
-               num_compute: int, minibatch_rows: int, timeout_s: float, fp8: MegaFP8 | None = None) -> None:
-    """The persistent forward megakernel (csrc/kernels/megakernel.cu): dispatch, shared and routed
-    expert GEMMs, push-combine, and the opening half of the closing barrier, in one launch.
-    ``h`` / ``shared_h`` (optional): also keep the gate/up pre-activations for the backward.
-    ``fp8``: block-scaled e4m3 routed GEMMs; ``peer_x`` then lists the peers' e4m3 rows and
-    ``x_routed`` is unused."""
-    tensors, peer_xs, pitch = ([], [], 0) if fp8 is None else (fp8.tensors(), fp8.peer_scales, fp8.scale_pitch)
+               num_compute: int, minibatch_rows: int, timeout_s: float) -> None:
+    """The persistent forward megakernel (csrc/kernels/passes/megakernel.cu, bf16): dispatch, shared
+    and routed expert GEMMs, push-combine, and the opening half of the closing barrier, in one
+    launch. ``h`` / ``shared_h`` (optional): also keep the gate/up pre-activations for the
+    backward; the shared-expert tensors are all given or all None."""
     _ops().megakernel(x, fc1, fc2, shared_fc1, shared_fc2, row_src_rank, row_src_slot, expert_counts, expert_offsets,
                       x_routed, act, h, y_routed, shared_act, shared_h, shared_y, counters, state, errors, peer_x,
-                      peer_comb, peer_flags, rank, topk, num_comm, num_compute, minibatch_rows, float(timeout_s),
-                      tensors, peer_xs, pitch)
-
-
-@dataclass
-class MegaFP8:
-    """The fp8 megakernel's operands: the routed weights' e4m3 copies and scales
-    (``fp8.quantize_weight``), the dispatched e4m3 rows ``x8`` [cap, H] with their scales
-    ``x8_scale`` [H / 128, cap], the quantized SwiGLU output ``act8`` [cap, I] with ``act8_scale``
-    [I / 128, cap] (outputs), the peers' symmetric scale rows (``peer_scales``, pitch
-    ``scale_pitch`` floats), and the shared expert as one segment (``shared_seg`` = int32 [0, T, T]:
-    its bf16 GEMMs run as expert-major tasks there)."""
-    fc1_q: torch.Tensor
-    fc1_scale: torch.Tensor
-    fc2_q: torch.Tensor
-    fc2_scale: torch.Tensor
-    x8: torch.Tensor
-    x8_scale: torch.Tensor
-    act8: torch.Tensor
-    act8_scale: torch.Tensor
-    peer_scales: list[int]
-    scale_pitch: int
-    shared_seg: torch.Tensor
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.fc1_q, self.fc1_scale, self.fc2_q, self.fc2_scale, self.x8, self.x8_scale, self.act8,
-                self.act8_scale, self.shared_seg]
+                      peer_comb, peer_flags, rank, topk, num_comm, num_compute, minibatch_rows, float(timeout_s))
 
 
 def megakernel_timeline(records=None) -> None:
     """Profiling: with ``records`` (CUDA int64 [n > 1024, 8], zeroed) every later megakernel launch
-    stamps each task into it (``megatron_mok.timeline`` reads it); None turns the stamps off. The
+    stamps each task into it (``megatron_mok.tools.timeline`` reads it); None turns the stamps off. The
     tensor must stay alive while it is on."""
     if records is None:
         _ops().megakernel_timeline(torch.empty((0, 8), dtype=torch.int64, device="cuda"), False)
@@ -296,12 +241,7 @@ def megakernel_timeline(records=None) -> None:
         _ops().megakernel_timeline(records, True)
 
 
-# ---- backward (csrc/kernels/backward.cu) -----------------------------------------------------------
-
-# Rows of each expert's group in the backward's tight layout are padded to this multiple:
-# torch._grouped_mm asserts group sizes of 16 bytes (8 bf16 rows) along some operand layouts; the
-# forward's 128 would keep the padding rows this layout removes.
-TIGHT_ALIGN = 16
+# ---- backward (csrc/kernels/passes/backward.cu) -----------------------------------------------------
 
 
 def bwd_publish(grad_out, g_dst, probs, p_dst, state, errors, peer_flags: list[int], rank: int,
@@ -311,44 +251,23 @@ def bwd_publish(grad_out, g_dst, probs, p_dst, state, errors, peer_flags: list[i
     _ops().bwd_publish(grad_out, g_dst, probs, p_dst, state, errors, peer_flags, rank, float(timeout_s))
 
 
-def bwd_tight_map(expert_counts, expert_offsets, toffs, trow, align: int = TIGHT_ALIGN) -> None:
-    """The backward's tight layout (one launch): ``toffs`` [nle + 1] int32, ``toffs[e + 1] = toffs[e]
-    + roundup(rows_e, align)``; ``trow`` [capacity] int32: tight row -> padded row, -1 for padding
-    rows and rows at or past ``toffs[-1]``."""
-    _ops().bwd_tight_map(expert_counts, expert_offsets, toffs, trow, align)
-
-
-def gather_rows(src, dst, trow, toffs, num_ctas: int = 0) -> None:
-    """``dst[t] = src[trow[t]]`` (bf16 rows) for ``t < toffs[-1]`` (device value); ``trow[t] < 0``:
-    a zero row. Rows past ``toffs[-1]`` are not written."""
-    _ops().gather_rows(src, dst, trow, toffs, num_ctas)
-
-
 def bwd_pull(row_src_rank, row_src_slot, expert_offsets, y_routed, dy, peer_g: list[int], peer_p: list[int],
-             peer_dw: list[int], topk: int, num_ctas: int = 0, trow=None, q=None, q_scale=None) -> None:
+             peer_dw: list[int], topk: int, num_ctas: int = 0, q=None, q_scale=None) -> None:
     """Routed row i: ``dy[i] = bf16(w * g)`` from the source rank's grad_out row and router weight;
     ``<g, y_routed[i]>`` (fp32, fixed order) -> slot ``row_src_slot[i]`` of the source's ``peer_dw``.
-    ``trow``: ``dy`` is tight (``expert_offsets`` = tight offsets), its row t is padded row ``trow[t]``.
-    ``q``/``q_scale`` (padded rows only): dy also in e4m3 with its scales ``[H / 128, ld]``, the bits
+    ``q``/``q_scale``: dy also in e4m3 with its scales ``[H / 128, ld]``, the bits
     of ``quantize_rows_e4m3(dy)`` (the fp8 dgrad's operand, without a second pass over dy)."""
     _ops().bwd_pull(row_src_rank, row_src_slot, expert_offsets, y_routed, dy, peer_g, peer_p, peer_dw, topk,
-                    num_ctas, trow, q, q_scale)
+                    num_ctas, q, q_scale)
 
 
-def swiglu_backward(h, da, dh, seg_offsets=None, trow=None) -> None:
-    """``dh = [d_gate | d_up]`` from ``h = [gate | up]`` and ``da``; with ``seg_offsets`` only rows
-    below ``seg_offsets[-1]`` (device value) are computed. ``trow`` (with tight ``seg_offsets``):
-    ``da``/``dh`` row r pairs with ``h`` row ``trow[r]``; ``trow[r] < 0``: ``dh`` row r = 0."""
-    _ops().swiglu_backward(h, da, dh, seg_offsets, trow)
-
-
-def expert_dgrad(dy, w, seg_offsets, seg_counts, out, h=None, trow=None, num_ctas: int = 0) -> None:
+def expert_dgrad(dy, w, seg_offsets, seg_counts, out, h=None, num_ctas: int = 0) -> None:
     """``out[r] = dy[r] @ w[e]`` for the rows r of segment e (``w`` ``[nseg, K, M]``, as
     ``torch._grouped_mm(dy, w, offs=seg_offsets[1:])``), on the expert-major GEMM; rows of a segment
     past ``seg_counts[e]`` get zeros. With ``h`` (``[rows', 2M] = [gate | up]``): ``out = [d_gate |
-    d_up]`` (``[rows, 2M]``) of ``da = bf16(dy @ w[e])``, as ``swiglu_backward(h, da, out, ...)``
-    gives; ``trow``: out row r pairs with ``h`` row ``trow[r]`` (< 0: a zero row)."""
-    _ops().expert_dgrad(dy, w, seg_offsets, seg_counts, out, h, trow, num_ctas)
+    d_up]`` (``[rows, 2M]``) of ``da = bf16(dy @ w[e])``: ``d_gate = da * up * sig * (1 + gate *
+    (1 - sig))``, ``d_up = da * silu(gate)`` in fp32."""
+    _ops().expert_dgrad(dy, w, seg_offsets, seg_counts, out, h, num_ctas)
 
 
 def expert_wgrad(a, a_offsets, b, b_offsets, counts, out, num_ctas: int = 0) -> None:
@@ -382,18 +301,11 @@ def expert_wgrad_fp8(a_t, a_scale, b_t, b_scale, offsets, counts, out, num_ctas:
     _ops().expert_wgrad_fp8(a_t, a_scale, b_t, b_scale, offsets, counts, out, num_ctas)
 
 
-def zero_empty_segments(t, seg_counts) -> None:
-    """``t[e] = 0`` for every ``e`` with ``seg_counts[e] == 0`` (exact zeros, device-side test)."""
-    _ops().zero_empty_segments(t, seg_counts)
-
-
 def bwd_push(rows, row_src_rank, row_src_slot, expert_offsets, state, peer_slots: list[int],
-             peer_flags: list[int], rank: int, num_ctas: int = 0, trow=None) -> None:
+             peer_flags: list[int], rank: int, num_ctas: int = 0) -> None:
     """Routed row i -> slot ``row_src_slot[i]`` of rank ``row_src_rank[i]``'s ``[T * k, H]`` buffer,
-    then the opening half of a barrier (``bwd_epilogue_wait`` closes it). ``trow``: ``rows`` are
-    tight (``expert_offsets`` = tight offsets), row t is padded row ``trow[t]`` (< 0: skipped)."""
-    _ops().bwd_push(rows, row_src_rank, row_src_slot, expert_offsets, state, peer_slots, peer_flags, rank, num_ctas,
-                    trow)
+    then the opening half of a barrier (``bwd_epilogue_wait`` closes it)."""
+    _ops().bwd_push(rows, row_src_rank, row_src_slot, expert_offsets, state, peer_slots, peer_flags, rank, num_ctas)
 
 
 def bwd_epilogue_wait(slots, dw_slots, shared_dx, dx, dprobs, state, errors, peer_flags: list[int], rank: int,
@@ -402,21 +314,3 @@ def bwd_epilogue_wait(slots, dw_slots, shared_dx, dx, dprobs, state, errors, pee
     ``dprobs = dw_slots``."""
     _ops().bwd_epilogue_wait(slots, dw_slots, shared_dx, dx, dprobs, state, errors, peer_flags, rank,
                              float(timeout_s))
-
-
-def bwd_megakernel(grad_out, x, fc1, fc2, shared_fc1, shared_fc2, row_src_rank, row_src_slot, expert_counts,
-                   expert_offsets, shared_seg, x_routed, act, h, y_routed, shared_act, shared_h, dy, dh, dx_rows, dfc1,
-                   dfc2, dhs, shared_dx, dsfc1, dsfc2, counters, state, errors, peer_g: list[int], peer_p: list[int],
-                   peer_dw: list[int], peer_slots: list[int], peer_flags: list[int], rank: int, topk: int,
-                   num_comm: int, num_compute: int, minibatch_rows: int, timeout_s: float) -> None:
-    """The persistent backward megakernel (csrc/kernels/bwd_megakernel.cu), between ``bwd_publish``
-    and ``bwd_epilogue_wait``: pull of dy (+ router-weight gradients into the sources' slots),
-    routed and shared dgrads with the SwiGLU backward fused, push of the dx rows into the sources'
-    slots, routed and shared weight gradients, and the opening half of the closing barrier. The
-    shared-expert tensors (``shared_fc1`` .. ``dsfc2``, ``shared_seg`` = int32 ``[0, T, T]``) are all
-    given or all None."""
-    _ops().bwd_megakernel(grad_out, x, fc1, fc2, shared_fc1, shared_fc2, row_src_rank, row_src_slot, expert_counts,
-                          expert_offsets, shared_seg, x_routed, act, h, y_routed, shared_act, shared_h, dy, dh,
-                          dx_rows, dfc1, dfc2, dhs, shared_dx, dsfc1, dsfc2, counters, state, errors, peer_g, peer_p,
-                          peer_dw, peer_slots, peer_flags, rank, topk, num_comm, num_compute, minibatch_rows,
-                          float(timeout_s))

@@ -1,6 +1,6 @@
 """Pure-PyTorch implementation of every stage: the test oracle and the CPU path.
 
-It follows the same protocol as the CUDA kernels (docs/ARCHITECTURE.md): pull-dispatch rows in
+It follows the same protocol as the CUDA kernels (docs/DESIGN.md): pull-dispatch rows in
 schedule order, per-(token, slot) combine slots, fixed-order fp32 sums. Communication goes through
 torch.distributed collectives (gloo or NCCL): a rank "pulls" from the gathered source buffers and
 "pushes" by gathering every rank's rows and keeping those addressed to it. Arithmetic is fp32
@@ -30,6 +30,9 @@ class ReferenceContext:
     fc1_out: torch.Tensor  # [cap, 2I] gate/up pre-activations
     y_routed: torch.Tensor  # [cap, H] unweighted expert outputs (router-weight gradient)
     shared_fc1_out: torch.Tensor | None  # [T, 2Is]
+    # (workspace uid, schedule step) of the schedule the forward ran (set by functional; the backward
+    # checks it against its schedule)
+    schedule_id: tuple | None = None
 
 
 def _pull_rows(ws: MoKWorkspace, sched: MoKSchedule, per_token: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The routed-row schedule: which (source rank, token, slot) each local routed row holds.
 
-The schedule is a pure function of the routing of all ranks (see docs/ARCHITECTURE.md), so the
+The schedule is a pure function of the routing of all ranks (see docs/DESIGN.md), so the
 row order, and with it every reduction order downstream, never depends on timing. This module
 holds the data type and the pure-PyTorch construction used by the reference path (static shapes,
 no host sync); the CUDA path builds the same tensors on the device.
@@ -12,8 +12,15 @@ import dataclasses
 
 import torch
 
-from .config import ROW_ALIGN
-from .workspace import ErrorCode, MoKInputError, MoKWorkspace, _check_ranks_agree, all_gather_stacked
+from .config import ROW_ALIGN, MoKConfig
+from .workspace import (
+    ErrorCode,
+    MoKInputError,
+    MoKWorkspace,
+    all_gather_stacked,
+    exchange,
+    shape_values,
+)
 
 
 @dataclasses.dataclass
@@ -23,10 +30,45 @@ class MoKSchedule:
     row_src_slot: torch.Tensor  # int32 [capacity]; t * k + s on the source rank; -1 = padding
     expert_counts: torch.Tensor  # int32 [nle]: real rows per local expert
     expert_offsets: torch.Tensor  # int32 [nle + 1]: padded segment starts
+    # Identity (stamp_schedule): the workspace it was built on (MoKWorkspace.uid) and which of that
+    # workspace's schedules it is (1, 2, ...); the routing it encodes is top_experts_all. None: made
+    # outside build_schedule, not checked.
+    workspace_uid: int | None = None
+    step: int | None = None
 
     @property
     def capacity(self) -> int:
         return self.row_src_rank.numel()
+
+    @property
+    def identity(self) -> tuple[int, int] | None:
+        return None if self.workspace_uid is None else (self.workspace_uid, self.step)
+
+
+def stamp_schedule(ws: MoKWorkspace, sched: MoKSchedule) -> MoKSchedule:
+    """Mark ``sched`` as the newest schedule of ``ws`` (host counters only, no device work)."""
+    ws.schedule_step += 1
+    sched.workspace_uid, sched.step = ws.uid, ws.schedule_step
+    return sched
+
+
+def check_schedule(ws: MoKWorkspace, sched, call: str, latest: bool) -> None:
+    """A schedule from another workspace, or (``latest``: a forward) not the newest one built on
+    this workspace, raises ``MoKInputError`` saying so (host values only)."""
+    if not isinstance(sched, MoKSchedule):
+        raise MoKInputError(f"{call}: sched must be the MoKSchedule of build_schedule, got {type(sched).__name__}")
+    if sched.workspace_uid is None:
+        return
+    if sched.workspace_uid != ws.uid:
+        raise MoKInputError(
+            f"{call}: sched is foreign: it was built on workspace #{sched.workspace_uid}, not on this call's "
+            f"{ws.describe()}; build the schedule with this workspace"
+        )
+    if latest and sched.step != ws.schedule_step:
+        raise MoKInputError(
+            f"{call}: sched is stale: it is schedule {sched.step} of {ws.describe()}, but schedule "
+            f"{ws.schedule_step} was built since; run build_schedule with this call's routing before each forward"
+        )
 
 
 def validate_top_experts(ws: MoKWorkspace, top_experts: torch.Tensor) -> None:
@@ -113,14 +155,21 @@ def schedule_from_routing(ws: MoKWorkspace, top_experts_all: torch.Tensor) -> Mo
     )
 
 
-def build_schedule_reference(ws: MoKWorkspace, top_experts: torch.Tensor) -> MoKSchedule:
-    validate_top_experts(ws, top_experts)
-    # A rank whose workspace came from the cache skipped the creation-time agreement check, so a
-    # rank calling with other shapes would exchange mismatched buffers: check on every call.
-    _check_ranks_agree(
-        ws.group, ws.device, [ws.num_tokens, ws.hidden, ws.topk, ws.num_experts],
-        ["num_tokens (T)", "hidden size (H)", "top-k", "num_experts"],
-    )
+def build_schedule_reference(ws: MoKWorkspace, top_experts: torch.Tensor, cfg: MoKConfig | None = None) -> MoKSchedule:
+    """The schedule on the reference path (collectives of the EP group). The first collective is the
+    agreement packet (``workspace.exchange``): this rank's check of ``top_experts``, the shapes and
+    ``cfg`` (default: the workspace's), so a rank that fails or disagrees makes every rank raise."""
+    error = None
+    try:
+        validate_top_experts(ws, top_experts)
+    except MoKInputError as err:
+        error = err
+    cfg = cfg if cfg is not None else ws.cfg
+    # A rank whose workspace came from the cache skipped the creation-time agreement, so a rank
+    # calling with other shapes would exchange mismatched buffers: agree on every call.
+    exchange(ws.group, ws.device, "schedule",
+             shape_values(ws.num_tokens, ws.hidden, ws.topk, ws.num_experts, ws.dtype, cfg), error,
+             timeout_s=ws.peer_timeout_s)
     top_all = all_gather_routing(ws, top_experts)
     flag_bad_routing(ws, top_all)
     # Every rank sees every rank's routing, so every rank raises the same error here: no rank is
@@ -128,4 +177,4 @@ def build_schedule_reference(ws: MoKWorkspace, top_experts: torch.Tensor) -> MoK
     ws.check_errors(blocking=True)
     flag_overflow(ws, top_all)
     ws.check_errors(blocking=True)
-    return schedule_from_routing(ws, top_all)
+    return stamp_schedule(ws, schedule_from_routing(ws, top_all))

@@ -5,46 +5,96 @@
     python scripts/compare_backends.py --config configs/deepseek-v3-proxy.args \
         --backends mok,alltoall,hybridep --nproc-per-node 2 --iters 50 --warmup 5
 
+    # the one-GPU proxy: throughput and the MoE share of the step from the torch profiler
+    python scripts/compare_backends.py --config configs/deepseek-v3-1gpu.args \
+        --backends mok,mok_fp8,alltoall,alltoall_fp8 --iters 16 --warmup 4 --profile-iters 12:13
+
     # inside a Slurm allocation (salloc / sbatch scripts/slurm/compare.sbatch): one srun per backend
     python scripts/compare_backends.py --launcher srun --config configs/deepseek-v3.args ...
 
-    # 200 steps, mok twice (bitwise run-to-run check through parameter digests) and alltoall
-    python scripts/compare_backends.py --config configs/deepseek-v3-proxy.args --backends mok,alltoall \
-        --rerun mok --param-digest-every 50 --iters 200
+    # soak: 500 steps with --deterministic-mode, mok twice (bitwise parameter digests every 100
+    # steps), loss agreement, NaN/inf, throughput of steps 400-500 against 100-200
+    python scripts/compare_backends.py --config configs/deepseek-v3-1gpu.args --soak \
+        --backends mok,alltoall --rerun mok --iters 500
 
-    # only re-report existing logs (e.g. of scripts/slurm/train.sbatch runs)
+    # only re-report existing logs (e.g. of scripts/slurm/train.sbatch runs, or soak runs made
+    # one backend per command): name a second run of B "B_rerun" for the bitwise check
     python scripts/compare_backends.py --from-logs mok=runs/a/logs/train.0.log alltoall=runs/b/logs/train.0.log
 
 Anything after ``--`` is passed to Megatron (after the config, so it overrides it).
 
+Backends: Megatron's --moe-backend choices (mok, alltoall, allgather, hybridep, deepep) and
+  mok_fp8       mok with --mok-precision fp8 (block-scaled e4m3 expert GEMMs)
+  (on GPUs the mok variants also get --mok-strict, unless --no-strict: a fallback to the pure-PyTorch
+  reference fails the run instead of being timed)
+  alltoall_fp8  alltoall with Megatron's FP8 recipe: never run, always reported ``skipped`` with
+                the reason (Megatron's FP8 runs inside TransformerEngine's layers; the recipes here
+                use --transformer-impl local, and TransformerEngine is not installable on the GPU
+                machines); listed so that the report says so.
+
 Writes into --out (default bench/results/compare-<config>-<time>):
   compare.json   per backend: status (ok | failed | skipped), reason, tokens/s/GPU, median step time,
-                 loss curve, peak memory, ...
-  compare.png    loss curves and tokens/s/GPU bars (needs matplotlib; skipped with a note if absent)
-  compare.md     a markdown summary table
+                 speedup over alltoall, loss curve, peak memory, the profiled step breakdown, ...
+                 and with --soak the soak checks
+  compare.png    loss curves, tokens/s/GPU, peak memory and the step breakdown (needs matplotlib)
+  compare.md     a markdown summary
   logs/<backend>.log   every rank's output
+  profile/<backend>/torch_profile/rank-0.json.gz   with --profile-iters: the torch profiler trace
+
+--profile-iters S:E passes Megatron's own profiler flags (--profile --use-pytorch-profiler
+--profile-step-start S --profile-step-end E --profile-ranks 0 --pytorch-profiler-collect-callstack):
+rank 0 records the steps logged as iterations S..E-1 (E-S whole steps). The trace is split into
+MoE layers, attention, dense (the rest of forward and backward), optimizer and other: forward
+windows are the ``nn.Module: *MoELayer`` / ``*SelfAttention`` calls of the Python tracer; their
+backward is found through the autograd sequence numbers (each backward node's
+``autograd::engine::evaluate_function`` carries the sequence number of the forward op that made
+it); every GPU kernel goes to the window that launched it. ``moe_share`` is the GPU time of the
+profiled steps spent inside MoE windows (first to last kernel of each window, gaps included),
+over the GPU time of the step; ``moe_kernel_share`` counts kernel time only. The logged iterations
+S-1..E (profiler warm-up, recording, trace export) are left out of the timing.
 
 --rerun B trains backend B a second time (reported as ``B_rerun``) and checks that the two runs
 are bitwise identical: the same logged loss curve and, with --param-digest-every N, the same
-per-rank digest of every parameter's bits every N iterations (megatron_mok.adapter.pretrain).
+per-rank digest of every parameter's bits every N iterations (Megatron flag
+--mok-param-digest-every N of megatron_mok).
+
+--soak (defaults: --iters 500, --param-digest-every 100, Megatron --deterministic-mode) checks:
+  * the loss curves of all backends agree with the first one within BF16 noise: first iteration
+    (same weights, same batch, only the rounding order differs) within 2**-7 relative (two bf16
+    ulps); afterwards the 10-iteration moving averages within 2 % of the loss (at least 0.02
+    absolute), because rounding differences compound through Adam and the curves drift apart
+    slowly, while a real error (a wrong gradient, a lost token, a mis-scaled expert) opens a
+    systematic gap well beyond that within tens of steps. The raw per-iteration maximum
+    difference is reported too;
+  * no NaN or inf in the loss or the grad norm (and no skipped/NaN iterations);
+  * a rerun (--rerun) has bitwise identical parameter digests at every digest iteration;
+  * the median step time of iterations 400-500 is within 2 % of iterations 100-200 (the windows
+    scale with --iters; iterations that print a digest are left out).
 
 tokens/s/GPU = global batch size * seq length / median step time / world size, where the step time is
 Megatron's "elapsed time per iteration" of the iterations after the first --warmup ones. Peak memory is
 torch.cuda.max_memory_allocated of the worst rank on GPU, the max RSS of the worst rank on CPU (both
 from scripts/slurm/rank_stats.py). A backend that cannot run at all (no iteration logged and an error
 such as "No module named 'deep_ep'") is reported as ``skipped`` with that error as the reason.
-Exit code: 0 when no backend failed (skipped is fine), 1 otherwise, 2 on bad arguments.
+Exit code: 0 when no backend failed (skipped is fine) and every soak check passed, 1 otherwise,
+2 on bad arguments.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import datetime as _dt
+import gzip
+import importlib.util
 import json
+import math
 import os
+import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -52,9 +102,38 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from megatron_mok import logparse  # noqa: E402  (pure python, no torch import)
+from megatron_mok.tools import logparse  # noqa: E402  (pure python, no torch import)
 
-KNOWN_BACKENDS = ("mok", "alltoall", "allgather", "hybridep", "deepep")
+# name -> (Megatron --moe-backend, extra Megatron args); None: never run (see not_runnable_reason)
+BACKEND_VARIANTS = {
+    "mok": ("mok", []),
+    "mok_fp8": ("mok", ["--mok-precision", "fp8"]),
+    "alltoall": ("alltoall", []),
+    "alltoall_fp8": ("alltoall", None),
+    "allgather": ("allgather", []),
+    "hybridep": ("hybridep", []),
+    "deepep": ("deepep", []),
+}
+KNOWN_BACKENDS = tuple(BACKEND_VARIANTS)
+
+
+def backend_args(name: str, gpu: bool, strict: bool = True):
+    """(--moe-backend value, extra Megatron args) of a backend name, or None if it is never run.
+
+    On GPUs the mok variants get --mok-strict: a call that would fall back to the pure-PyTorch
+    reference raises instead of warning, so a comparison never times the reference by mistake."""
+    moe_backend, extra = BACKEND_VARIANTS[name]
+    if extra is None:
+        return None
+    if gpu and strict and moe_backend == "mok":
+        extra = [*extra, "--mok-strict"]
+    return moe_backend, list(extra)
+
+MEGATRON_FP8_REASON = (
+    "Megatron's FP8 recipe (--fp8-format/--fp8-recipe) runs inside TransformerEngine's layers and "
+    "fp8_autocast (megatron/core/fp8_utils.py); TransformerEngine is not installable on the GPU machines, "
+    "and {impl}: alltoall with Megatron FP8 cannot run here, so it was not run"
+)
 
 # Same defaults as scripts/slurm/train.sbatch: NVLink multicast off.
 ENV_DEFAULTS = {
@@ -219,6 +298,533 @@ def run_srun(cmd_tail, nnodes, nproc, python, entry, log_dir: Path, backend: str
     return rc, time.time() - t0, combined
 
 
+# ---------------------------------------------------------------------------------------------
+# Torch profiler trace -> step breakdown (MoE layers, attention, dense, optimizer, other, idle)
+# ---------------------------------------------------------------------------------------------
+
+PROFILE_CATEGORIES = ("moe", "attention", "dense", "optimizer", "other")
+# Module classes whose calls are windows of their own (first match wins): Megatron's MoELayer and
+# megatron_mok's MoKMoELayer; SelfAttention / MLASelfAttention / CrossAttention.
+MODULE_WINDOWS = (("moe", re.compile(r"MoELayer$")), ("attention", re.compile(r"(?:Self|Cross)Attention$")))
+_MODULE_RE = re.compile(r"^nn\.Module: (\w+?)(?:_\d+)?$")
+_FB_RE = re.compile(r"schedules\.py\(\d+\): forward_backward_")
+_OPT_RE = re.compile(r"megatron/core/optimizer/\S*\.py\(\d+\): step$")
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+_BWD_PREFIX = "autograd::engine::evaluate_function"
+
+
+def load_trace(path) -> list:
+    path = str(path)
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        doc = json.load(f)
+    return doc["traceEvents"] if isinstance(doc, dict) else doc
+
+
+def _merge(iv):
+    out = []
+    for s, e in sorted(iv):
+        if out and s <= out[-1][1]:
+            if e > out[-1][1]:
+                out[-1][1] = e
+        else:
+            out.append([s, e])
+    return out
+
+
+def _subtract(iv, minus):
+    """Merged intervals iv without merged intervals minus."""
+    out, j = [], 0
+    for s, e in iv:
+        cur = s
+        while j < len(minus) and minus[j][1] <= cur:
+            j += 1
+        k = j
+        while k < len(minus) and minus[k][0] < e:
+            if minus[k][0] > cur:
+                out.append([cur, minus[k][0]])
+            cur = max(cur, minus[k][1])
+            k += 1
+        if cur < e:
+            out.append([cur, e])
+    return out
+
+
+def _length(iv):
+    return sum(e - s for s, e in iv)
+
+
+class _Windows:
+    """Time windows per thread; which one holds a (tid, ts) point."""
+
+    def __init__(self):
+        self.by_tid = {}
+
+    def add(self, tid, start, end, key=None):
+        self.by_tid.setdefault(tid, []).append((start, end, key))
+
+    def freeze(self):
+        for tid, ws in self.by_tid.items():
+            ws.sort(key=lambda w: (w[0], w[1]))
+            self.by_tid[tid] = (ws, [w[0] for w in ws], max(w[1] - w[0] for w in ws))
+        return self
+
+    def find(self, tid, ts):
+        """The key of a window holding ts (True for a window without a key; None if none)."""
+        entry = self.by_tid.get(tid)
+        if entry is None:
+            return None
+        ws, starts, longest = entry
+        i = bisect.bisect_right(starts, ts) - 1
+        while i >= 0 and ws[i][0] >= ts - longest:  # a window holding ts starts at most `longest` earlier
+            _, e, key = ws[i]
+            if ts <= e:
+                return key if key is not None else True
+            i -= 1
+        return None
+
+
+def _outermost(events):
+    """Drop events nested in another event of the list on the same thread."""
+    out, last_end = [], {}
+    for e in sorted(events, key=lambda e: (e["tid"], e["ts"], -e.get("dur", 0))):
+        end = e["ts"] + e.get("dur", 0)
+        if e["ts"] < last_end.get(e["tid"], float("-inf")):
+            continue
+        last_end[e["tid"]] = end
+        out.append(e)
+    return out
+
+
+def profile_breakdown(events: list) -> dict:
+    """Where the profiled steps' time goes, per category (microseconds per step and shares).
+
+    GPU traces: device events (kernels, memcpy, memset) are attributed through their launch
+    (CUDA runtime/driver event with the same correlation id) to the window that launched them.
+    CPU-only traces (gloo runs, tests): the outermost CPU ops stand in for the device events.
+    """
+    xs = [e for e in events if e.get("ph") == "X" and "ts" in e]
+    for e in xs:
+        e["ts"] = float(e["ts"])
+        e["dur"] = float(e.get("dur", 0.0) or 0.0)
+    cpu_ops = [e for e in xs if e.get("cat") == "cpu_op"]
+    py = [e for e in xs if e.get("cat") == "python_function"]
+    annotations = [e for e in xs if e.get("cat") == "user_annotation"]
+    device = [e for e in xs if e.get("cat") in _DEVICE_CATS]
+    notes = []
+
+    # -- work items: (launch tid, launch ts, start, end) ---------------------------------------
+    if device:
+        mode = "gpu"
+        launches = {}
+        for e in xs:
+            if e.get("cat") in _LAUNCH_CATS:
+                corr = (e.get("args") or {}).get("correlation")
+                if corr is not None:
+                    launches[corr] = (e["tid"], e["ts"])
+        items = []
+        unmatched = 0
+        for e in device:
+            corr = (e.get("args") or {}).get("correlation")
+            tid, ts = launches.get(corr, (None, None))
+            unmatched += tid is None
+            items.append((tid, ts, e["ts"], e["ts"] + e["dur"]))
+        if unmatched:
+            notes.append(f"{unmatched} of {len(device)} device events have no launch event: counted as other")
+    else:
+        mode = "cpu"
+        unmatched = 0
+        items = [(e["tid"], e["ts"], e["ts"], e["ts"] + e["dur"]) for e in _outermost(cpu_ops)]
+    if not items:
+        raise ValueError("the trace holds neither device events nor CPU ops")
+
+    # -- forward windows from the Python tracer's module calls ---------------------------------
+    fwd = {cat: [] for cat, _ in MODULE_WINDOWS}
+    for e in py:
+        m = _MODULE_RE.match(e.get("name", ""))
+        if not m:
+            continue
+        for cat, rx in MODULE_WINDOWS:
+            if rx.search(m.group(1)):
+                fwd[cat].append(e)
+                break
+    for cat in fwd:
+        fwd[cat] = _outermost(fwd[cat])
+    if not any(fwd.values()):
+        notes.append("no nn.Module windows in the trace: record it with --pytorch-profiler-collect-callstack "
+                     "(Python tracer); everything in forward/backward counts as dense")
+
+    # forward ops with an autograd sequence number, per thread, sorted by time
+    seq_ops = {}
+    bwd_ops = []
+    for e in cpu_ops:
+        seq = (e.get("args") or {}).get("Sequence number")
+        if seq is None:
+            continue
+        if e.get("name", "").startswith(_BWD_PREFIX):
+            bwd_ops.append((int(seq), e))
+        else:
+            seq_ops.setdefault(e["tid"], []).append((e["ts"], int(seq)))
+    for tid in seq_ops:
+        seq_ops[tid].sort()
+    bwd_ops.sort(key=lambda x: x[0])
+    bwd_seqs = [s for s, _ in bwd_ops]
+    # every backward node per thread, in time order: a window's backward also takes the
+    # AccumulateGrad nodes (weight gradients, Megatron's main_grad hooks) that run right after it
+    bwd_all = {}
+    for e in cpu_ops:
+        if e.get("name", "").startswith(_BWD_PREFIX):
+            bwd_all.setdefault(e["tid"], []).append(e)
+    for tid in bwd_all:
+        bwd_all[tid].sort(key=lambda e: e["ts"])
+    bwd_starts = {tid: [e["ts"] for e in evs] for tid, evs in bwd_all.items()}
+
+    def extend_with_accumulate(tid, end):
+        evs, starts = bwd_all.get(tid, []), bwd_starts.get(tid, [])
+        i = bisect.bisect_left(starts, end)
+        while i < len(evs) and "AccumulateGrad" in evs[i]["name"]:
+            end = max(end, evs[i]["ts"] + evs[i]["dur"])
+            i += 1
+        return end
+
+    windows = {cat: _Windows() for cat in fwd}
+    counts = {cat: {"forward": 0, "backward": 0} for cat in fwd}
+    for cat, evs in fwd.items():
+        for n, e in enumerate(evs):
+            start, end = e["ts"], e["ts"] + e["dur"]
+            key = (cat, "f", n)
+            windows[cat].add(e["tid"], start, end, key)
+            counts[cat]["forward"] += 1
+            ops = seq_ops.get(e["tid"], [])
+            lo = bisect.bisect_left(ops, (start, -1))
+            hi = bisect.bisect_right(ops, (end, float("inf")))
+            seqs = [s for _, s in ops[lo:hi]]
+            if not seqs:
+                continue
+            a, b = min(seqs), max(seqs)
+            i, j = bisect.bisect_left(bwd_seqs, a), bisect.bisect_right(bwd_seqs, b)
+            by_tid = {}
+            for _, be in bwd_ops[i:j]:
+                s0, e0 = by_tid.get(be["tid"], (float("inf"), float("-inf")))
+                by_tid[be["tid"]] = (min(s0, be["ts"]), max(e0, be["ts"] + be["dur"]))
+            for tid, (s0, e0) in by_tid.items():
+                windows[cat].add(tid, s0, extend_with_accumulate(tid, e0), (cat, "b", n))
+                counts[cat]["backward"] += 1
+    for w in windows.values():
+        w.freeze()
+
+    def phase(rx, extra=()):
+        evs = [e for e in py if rx.search(e.get("name", ""))] + list(extra)
+        w = _Windows()
+        for e in _outermost(evs):
+            w.add(e["tid"], e["ts"], e["ts"] + e["dur"])
+        return w.freeze(), len(evs)
+
+    opt_w, n_opt = phase(_OPT_RE, [e for e in annotations if e.get("name", "").startswith("Optimizer.step#")])
+    fb_events = _outermost([e for e in py if _FB_RE.search(e.get("name", ""))])
+    fb_spans = [(e["ts"], e["ts"] + e["dur"]) for e in fb_events]
+    if not fb_spans:
+        notes.append("no forward_backward_* call in the trace: forward/backward work outside the module "
+                     "windows counts as other")
+
+    def in_fb(ts):
+        return any(s <= ts <= e for s, e in fb_spans)
+
+    def classify_item(tid, ts):
+        if tid is None:
+            return "other", None
+        for cat in ("moe", "attention"):
+            key = windows[cat].find(tid, ts) if cat in windows else None
+            if key is not None:
+                return cat, key
+        if opt_w.find(tid, ts) is not None:
+            return "optimizer", None
+        if in_fb(ts):
+            return "dense", None
+        return "other", None
+
+    # -- steps -----------------------------------------------------------------------------
+    steps = sorted((e for e in annotations if e.get("name", "").startswith("ProfilerStep#")), key=lambda e: e["ts"])
+    step_spans = [(e["ts"], e["ts"] + e["dur"]) for e in steps]
+    step_starts = [s for s, _ in step_spans]
+
+    def step_of(ts, start):
+        if not step_spans:
+            return 0
+        t = ts if ts is not None else start
+        i = bisect.bisect_right(step_starts, t) - 1
+        if i >= 0 and t <= step_spans[i][1]:
+            return i
+        return None
+
+    per_step = {}
+    kernel_us = dict.fromkeys(PROFILE_CATEGORIES, 0.0)
+    for tid, ts, start, end in items:
+        si = step_of(ts, start)
+        if si is None:
+            continue
+        cat, key = classify_item(tid, ts)
+        kernel_us[cat] += end - start
+        st = per_step.setdefault(si, {"items": [], "win": {}})
+        st["items"].append((start, end, cat))
+        if key is not None:
+            s0, e0 = st["win"].get(key, (float("inf"), float("-inf")))
+            st["win"][key] = (min(s0, start), max(e0, end))
+    n_steps = len(per_step)
+    if not n_steps:
+        raise ValueError("no device work inside the profiled steps")
+
+    wall = dict.fromkeys((*PROFILE_CATEGORIES, "idle"), 0.0)
+    span_total = 0.0
+    for st in per_step.values():
+        lo = min(s for s, _, _ in st["items"])
+        hi = max(e for _, e, _ in st["items"])
+        span_total += hi - lo
+        taken = []
+        for cat in ("moe", "attention"):
+            iv = _merge([list(v) for k, v in st["win"].items() if k[0] == cat])
+            iv = _subtract(iv, taken)
+            wall[cat] += _length(iv)
+            taken = _merge(taken + iv)
+        for cat in ("optimizer", "dense", "other"):
+            iv = _subtract(_merge([[s, e] for s, e, c in st["items"] if c == cat]), taken)
+            wall[cat] += _length(iv)
+            taken = _merge(taken + iv)
+        wall["idle"] += (hi - lo) - _length(taken)
+    step_us = span_total / n_steps
+    wall = {k: v / n_steps for k, v in wall.items()}
+    kernel_us = {k: v / n_steps for k, v in kernel_us.items()}
+    total_kernel = sum(kernel_us.values())
+    return {
+        "mode": mode,
+        "steps": n_steps,
+        "step_us": step_us,
+        "breakdown_us": wall,
+        "breakdown_share": {k: (v / step_us if step_us else None) for k, v in wall.items()},
+        "kernel_us": kernel_us,
+        "moe_share": wall["moe"] / step_us if step_us else None,
+        "moe_kernel_share": kernel_us["moe"] / total_kernel if total_kernel else None,
+        "windows": counts,
+        "optimizer_windows": n_opt,
+        "unmatched_device_events": unmatched,
+        "notes": notes,
+    }
+
+
+def _trace_summary_module():
+    """scripts/trace_summary.py (kernel time by name and category), or None."""
+    path = REPO / "scripts" / "trace_summary.py"
+    if not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location("trace_summary", path)
+    mod = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(mod)
+    except Exception:  # pragma: no cover - a broken helper must not break the comparison
+        return None
+    return mod
+
+
+def analyze_trace(path: Path) -> dict:
+    """profile_breakdown of one trace file, plus scripts/trace_summary.py's kernel categories."""
+    try:
+        events = load_trace(path)
+        out = profile_breakdown(events)
+    except Exception as err:  # noqa: BLE001 - a trace that cannot be read must not lose the comparison
+        return {"trace": str(path), "error": f"{type(err).__name__}: {err}"}
+    out["trace"] = str(path)
+    ts = _trace_summary_module()
+    if ts is not None and out["mode"] == "gpu":
+        try:
+            s = ts.summarize(events, out["steps"])
+            out["kernel_categories_us"] = s["by_category_us_per_step"]
+            out["top_kernels"] = s["kernels"][:15]
+        except (ValueError, KeyError) as err:
+            out["notes"].append(f"trace_summary: {err}")
+    return out
+
+
+def parse_profile_iters(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", text or "")
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) <= int(m.group(1)):
+        raise ValueError(f"--profile-iters wants S:E with 1 <= S < E, got {text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def profile_megatron_args(start: int, end: int, tb_dir: Path) -> list[str]:
+    return ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(start), "--profile-step-end", str(end),
+            "--profile-ranks", "0", "--pytorch-profiler-collect-callstack", "--tensorboard-dir", str(tb_dir)]
+
+
+def profile_excluded_iterations(start: int, end: int) -> set:
+    """Logged iterations that the profiler slows down: warm-up (S-1), recording (S..E-1), export (E)."""
+    return set(range(max(1, start - 1), end + 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing, speedups, soak checks
+# ---------------------------------------------------------------------------------------------
+
+
+def retime(log, summary: dict, warmup: int, exclude: set) -> dict:
+    """Recompute the step-time numbers without the iterations in ``exclude`` (e.g. profiled ones)."""
+    its = [r for r in log.unique_iterations() if isinstance(r.step_ms, (int, float)) and math.isfinite(r.step_ms)]
+    drop = min(warmup, max(len(its) - 1, 0))
+    steady = [r for r in its[drop:] if r.iteration not in exclude] or its[drop:][-1:]
+    step_ms = [float(r.step_ms) for r in steady]
+    out = dict(summary)
+    out["step_ms"] = step_ms
+    out["timed_iterations"] = [r.iteration for r in steady]
+    out["excluded_from_timing"] = sorted(i for i in exclude if any(r.iteration == i for r in its))
+    out["median_step_ms"] = statistics.median(step_ms) if step_ms else None
+    out["mean_step_ms"] = statistics.fmean(step_ms) if step_ms else None
+    gbs, seq, world = summary.get("global_batch_size"), summary.get("seq_length"), summary.get("world_size")
+    med = out["median_step_ms"]
+    out["tokens_per_s_per_gpu"] = gbs * seq / (med / 1000.0) / world if med and gbs and seq and world else None
+    return out
+
+
+SOAK_FIRST_ITER_REL_TOL = 2.0 ** -7  # two bf16 ulps, relative
+SOAK_AVG_REL_TOL = 0.02  # 10-iteration moving averages, relative to the loss
+SOAK_AVG_ABS_FLOOR = 0.02
+SOAK_AVG_WINDOW = 10
+SOAK_THROUGHPUT_TOL = 0.02
+
+
+def _moving_average(curve: dict, window: int) -> dict:
+    its = sorted(curve)
+    out = {}
+    for n, it in enumerate(its):
+        if n + 1 >= window:
+            vals = [curve[i] for i in its[n + 1 - window:n + 1]]
+            out[it] = sum(vals) / window
+    return out
+
+
+def soak_windows(iters: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(early, late) windows (a, b]: 100-200 and 400-500 for 500 iterations, scaled otherwise."""
+    return (round(0.2 * iters), round(0.4 * iters)), (round(0.8 * iters), iters)
+
+
+def soak_checks(results: dict, log_fields: dict, iters: int, digest_every: int) -> dict:
+    """The soak's pass/fail checks over the ok backends (the first one is the loss reference)."""
+    ok = {b: r for b, r in results.items() if r["status"] == "ok"}
+    checks = {}
+    early, late = soak_windows(iters)
+    ref = next(iter(ok), None)
+    ref_curve = dict((int(i), l) for i, l in ok[ref]["loss_curve"]) if ref else {}
+    per_backend = {}
+    for b, r in results.items():
+        pb = per_backend[b] = {"status": r["status"]}
+        if r["status"] == "skipped":  # cannot run here (e.g. alltoall_fp8, no deep_ep): reported, not a failure
+            pb["reason"] = r.get("reason")
+            continue
+        if r["status"] != "ok":
+            checks[f"{b}: ran"] = {"ok": False, "detail": r.get("reason")}
+            continue
+        fields = log_fields.get(b, {})
+        curve = dict((int(i), l) for i, l in r["loss_curve"])
+        bad = [i for i, l in curve.items() if not (isinstance(l, (int, float)) and math.isfinite(l))]
+        bad_gn = [i for i, g in fields.get("grad norm", {}).items() if not math.isfinite(g)]
+        skipped = sum(v for v in fields.get("number of skipped iterations", {}).values() if math.isfinite(v))
+        nan_its = sum(v for v in fields.get("number of nan iterations", {}).values() if math.isfinite(v))
+        pb["non_finite_loss_iterations"] = bad
+        pb["non_finite_grad_norm_iterations"] = bad_gn
+        pb["skipped_iterations"] = skipped
+        pb["nan_iterations"] = nan_its
+        checks[f"{b}: no NaN/inf"] = {"ok": not bad and not bad_gn and not skipped and not nan_its and bool(curve),
+                                      "detail": f"loss non-finite at {bad[:5]}, grad norm at {bad_gn[:5]}, "
+                                                f"{skipped:g} skipped, {nan_its:g} NaN iterations"}
+        checks[f"{b}: ran all iterations"] = {"ok": r.get("last_iteration") == iters,
+                                              "detail": f"last logged iteration {r.get('last_iteration')} of {iters}"}
+        # throughput stability
+        times = fields.get("elapsed time per iteration (ms)", {})
+        digest_its = {i for i in times if digest_every and ((i - 1) % digest_every == 0 or i == iters)}
+
+        def window(a, b_, times=times, skip=digest_its):
+            v = [t for i, t in times.items() if a < i <= b_ and i not in skip and math.isfinite(t)]
+            return statistics.median(v) if v else None
+
+        t_early, t_late = window(*early), window(*late)
+        pb["median_step_ms_early"], pb["median_step_ms_late"] = t_early, t_late
+        pb["windows"] = {"early": list(early), "late": list(late)}
+        if t_early and t_late:
+            drift = t_late / t_early - 1.0
+            pb["throughput_drift"] = drift
+            checks[f"{b}: steps {late[0]}-{late[1]} within 2% of {early[0]}-{early[1]}"] = {
+                "ok": abs(drift) <= SOAK_THROUGHPUT_TOL,
+                "detail": f"median {t_early:.1f} ms -> {t_late:.1f} ms ({100 * drift:+.2f} %)"}
+        else:
+            checks[f"{b}: throughput windows"] = {"ok": False, "detail": f"too few iterations for {early} and {late}"}
+        # loss agreement with the reference
+        if b != ref and not b.endswith("_rerun"):
+            common = sorted(set(curve) & set(ref_curve))
+            diffs = [abs(curve[i] - ref_curve[i]) for i in common]
+            pb["loss_max_abs_diff_vs_" + ref] = max(diffs) if diffs else None
+            if common:
+                i0 = common[0]
+                rel0 = abs(curve[i0] - ref_curve[i0]) / max(abs(ref_curve[i0]), 1e-12)
+                pb["first_iteration_rel_diff"] = rel0
+                checks[f"{b}: iteration {i0} loss vs {ref}"] = {
+                    "ok": rel0 <= SOAK_FIRST_ITER_REL_TOL,
+                    "detail": f"{curve[i0]:.6f} vs {ref_curve[i0]:.6f}: {rel0:.2e} relative "
+                              f"(tolerance 2**-7 = {SOAK_FIRST_ITER_REL_TOL:.2e})"}
+            ma, ma_ref = _moving_average(curve, SOAK_AVG_WINDOW), _moving_average(ref_curve, SOAK_AVG_WINDOW)
+            worst, worst_it, worst_tol = 0.0, None, None
+            for i in sorted(set(ma) & set(ma_ref)):
+                tol = max(SOAK_AVG_REL_TOL * abs(ma_ref[i]), SOAK_AVG_ABS_FLOOR)
+                if worst_it is None or abs(ma[i] - ma_ref[i]) / tol > worst / worst_tol:
+                    worst, worst_it, worst_tol = abs(ma[i] - ma_ref[i]), i, tol
+            if worst_it is not None:
+                pb["loss_moving_average_max_diff"] = worst
+                checks[f"{b}: loss curve vs {ref} (10-iteration averages)"] = {
+                    "ok": worst <= worst_tol,
+                    "detail": f"worst at iteration {worst_it}: |diff| {worst:.4f}, tolerance {worst_tol:.4f} "
+                              f"(2 % of the loss, at least {SOAK_AVG_ABS_FLOOR})"}
+            else:
+                checks[f"{b}: loss curve vs {ref}"] = {"ok": False, "detail": "no common iterations"}
+        rerun = r.get("bitwise_vs_first_run")
+        if b.endswith("_rerun"):
+            digests_ok = bool(rerun) and rerun["param_digests_identical"] is True
+            n = len(rerun["param_digest_iterations"]) if rerun else 0
+            checks[f"{b}: bitwise identical parameter digests"] = {
+                "ok": digests_ok and rerun_identical(rerun),
+                "detail": (f"{n} digest iterations, digests "
+                           f"{'identical' if digests_ok else 'DIFFERENT or missing'}, loss curve "
+                           f"{'identical' if rerun and rerun['loss_curve_identical'] else 'different'}")}
+    return {
+        "iters": iters,
+        "param_digest_every": digest_every,
+        "loss_reference": ref,
+        "tolerances": {
+            "first_iteration_relative": SOAK_FIRST_ITER_REL_TOL,
+            "moving_average_window": SOAK_AVG_WINDOW,
+            "moving_average_relative": SOAK_AVG_REL_TOL,
+            "moving_average_absolute_floor": SOAK_AVG_ABS_FLOOR,
+            "throughput_relative": SOAK_THROUGHPUT_TOL,
+            "why": "bf16 keeps 8 significant bits (one ulp = 2**-8 relative): with the same weights and "
+                   "batch, two backends that only round differently give losses within ~1-2 ulps; over "
+                   "training the rounding differences compound through Adam, so later the curves are "
+                   "compared as 10-iteration averages within 2 % - a real error opens a systematic gap "
+                   "beyond that within tens of steps",
+        },
+        "backends": per_backend,
+        "checks": checks,
+        "ok": bool(checks) and all(c["ok"] for c in checks.values()),
+    }
+
+
+def log_fields(log) -> dict:
+    """field name -> {iteration: value} for the numeric fields of the iteration lines."""
+    out = {}
+    for r in log.unique_iterations():
+        for k, v in r.fields.items():
+            if isinstance(v, (int, float)):
+                out.setdefault(k, {})[r.iteration] = float(v)
+    return out
+
+
 def classify(rc: int | None, log: logparse.RunLog, summary: dict) -> tuple[str, str | None]:
     """(status, reason) of one backend run."""
     if rc == 0 and summary["iterations_logged"] > 0:
@@ -262,6 +868,20 @@ def build_report(results: dict, meta: dict) -> dict:
                 continue
             diffs = [abs(l - ref_curve[i]) for i, l in r["loss_curve"] if i in ref_curve]
             r["loss_max_abs_diff_vs_" + ref] = max(diffs) if diffs else None
+    base = results.get("alltoall")
+    if base is not None and base["status"] == "ok" and base.get("tokens_per_s_per_gpu"):
+        for b, r in results.items():
+            if r["status"] == "ok" and r.get("tokens_per_s_per_gpu"):
+                r["speedup_vs_alltoall"] = r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
+    for r in results.values():
+        prof = r.get("profile")
+        if prof and prof.get("moe_share") is not None:
+            r["moe_share"] = prof["moe_share"]
+            r["moe_kernel_share"] = prof.get("moe_kernel_share")
+            # MoE kernel time (GPU-side, not slowed by the profiler) over the unprofiled median step:
+            # a lower bound of the MoE share (it leaves out the gaps inside the MoE layers)
+            if r.get("median_step_ms") and prof.get("mode") == "gpu":
+                r["moe_kernel_share_of_step"] = prof["kernel_us"]["moe"] / 1e3 / r["median_step_ms"]
     return {**meta, "reference_backend": ref, "backends": results}
 
 
@@ -269,31 +889,50 @@ def _fmt(v, spec):
     return "–" if v is None else format(v, spec)
 
 
+def _pct(v):
+    return "–" if v is None else f"{100 * v:.1f} %"
+
+
 def write_markdown(report: dict, path: Path, png_name: str | None) -> None:
     ref = report.get("reference_backend")
+    backends = report["backends"]
+    has_speedup = any(r.get("speedup_vs_alltoall") for r in backends.values())
+    has_share = any(r.get("profile") for r in backends.values())
     lines = [
         f"# Backend comparison: {report.get('config_name', '?')}",
         "",
         f"{report.get('world_size', '?')} ranks"
         + (f" ({report['nodes']} node(s) x {report['ranks_per_node']}, {report.get('device', '?')})"
            if report.get("ranks_per_node") else "")
-        + f", {report.get('iters', '?')} iterations, first {report.get('warmup', '?')} excluded from timing; "
-        f"created {report.get('created', '?')}.",
+        + f", {report.get('iters', '?')} iterations, first {report.get('warmup', '?')} excluded from timing"
+        + (f" (and the profiled iterations {report['profile_excluded']})" if report.get("profile_excluded") else "")
+        + f"; created {report.get('created', '?')}.",
         "",
-        "| backend | status | tokens/s/GPU | median step (ms) | final loss | "
+        "| backend | status | tokens/s/GPU | "
+        + ("vs alltoall | " if has_speedup else "")
+        + "median step (ms) | "
+        + ("MoE share (profile) | " if has_share else "")
+        + "final loss | "
         + (f"max abs loss diff vs {ref} | " if ref else "")
         + "peak memory (MiB) | note |",
-        "|---|---|---:|---:|---:|" + ("---:|" if ref else "") + "---:|---|",
+        "|---|---|---:|" + ("---:|" if has_speedup else "") + "---:|" + ("---:|" if has_share else "")
+        + "---:|" + ("---:|" if ref else "") + "---:|---|",
     ]
-    for b, r in report["backends"].items():
+    for b, r in backends.items():
         diff = r.get(f"loss_max_abs_diff_vs_{ref}") if ref else None
         note = (r.get("reason") or "").replace("|", "\\|")
-        if len(note) > 160:
-            note = note[:157] + "..."
-        row = [
-            b, r["status"], _fmt(r.get("tokens_per_s_per_gpu"), ",.1f"), _fmt(r.get("median_step_ms"), ".1f"),
-            _fmt(r.get("final_loss"), ".4f"),
-        ]
+        if len(note) > 400:
+            note = note[:397] + "..."
+        row = [b, r["status"], _fmt(r.get("tokens_per_s_per_gpu"), ",.1f")]
+        if has_speedup:
+            row.append(_fmt(r.get("speedup_vs_alltoall"), ".2f") + ("x" if r.get("speedup_vs_alltoall") else ""))
+        row.append(_fmt(r.get("median_step_ms"), ".1f"))
+        if has_share:
+            share = _pct(r.get("moe_share"))
+            if r.get("moe_kernel_share_of_step") is not None:
+                share += f" (kernels >= {_pct(r['moe_kernel_share_of_step'])})"
+            row.append(share)
+        row.append(_fmt(r.get("final_loss"), ".4f"))
         if ref:
             row.append("ref" if b == ref else _fmt(diff, ".3g"))
         rerun = r.get("bitwise_vs_first_run")
@@ -304,13 +943,40 @@ def write_markdown(report: dict, path: Path, png_name: str | None) -> None:
                     f"{len(rerun['param_digest_iterations'])} iterations {digests})") + (f"; {note}" if note else "")
         row += [_fmt(r.get("peak_memory_mib") if r["status"] == "ok" else None, ",.0f"), note]
         lines.append("| " + " | ".join(row) + " |")
-    srcs = {r.get("peak_memory_source") for r in report["backends"].values() if r.get("peak_memory_source")}
+    srcs = {r.get("peak_memory_source") for r in backends.values() if r.get("peak_memory_source")}
     lines += ["", "Peak memory: " + ("; ".join(sorted(srcs)) if srcs else "not measured") + "."]
+
+    profiled = {b: r["profile"] for b, r in backends.items() if r.get("profile")}
+    if profiled:
+        lines += ["", "## Step breakdown (torch profiler, rank 0, GPU time per profiled step)", "",
+                  "MoE = inside MoE-layer windows (forward module calls and their backward nodes, first to last "
+                  "kernel, gaps included); attention likewise; dense = the rest of forward/backward; optimizer = "
+                  "Megatron's optimizer step; idle = no device work. Shares of the profiled step, which the "
+                  "profiler's Python tracer makes slower than the median step above; \"kernels >=\" in the "
+                  "table above is the MoE kernel time over the unprofiled median step (a lower bound).", "",
+                  "| backend | profiled step (ms) | MoE | attention | dense | optimizer | other | idle | "
+                  "MoE kernel share | note |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for b, pr in profiled.items():
+            if pr.get("error"):
+                lines.append(f"| {b} | – | – | – | – | – | – | – | – | {pr['error']} |")
+                continue
+            cells = [f"{pr['breakdown_us'][k] / 1e3:.1f} ({_pct(pr['breakdown_share'][k])})"
+                     for k in ("moe", "attention", "dense", "optimizer", "other", "idle")]
+            note = "; ".join(pr.get("notes") or []) + (f" [{pr['mode']} trace]" if pr.get("mode") == "cpu" else "")
+            lines.append(f"| {b} | {pr['step_us'] / 1e3:.1f} | " + " | ".join(cells)
+                         + f" | {_pct(pr.get('moe_kernel_share'))} | {note} |")
+    soak = report.get("soak")
+    if soak:
+        lines += ["", f"## Soak: {soak['iters']} iterations, {'PASS' if soak['ok'] else 'FAIL'}", "",
+                  f"Tolerances: {soak['tolerances']['why']}.", "", "| check | result | detail |", "|---|---|---|"]
+        for name, c in soak["checks"].items():
+            lines.append(f"| {name} | {'ok' if c['ok'] else 'FAIL'} | {(c.get('detail') or '').replace('|', '/')} |")
     if png_name:
         lines += ["", f"![loss and throughput]({png_name})"]
     elif report.get("png_error"):
         lines += ["", f"No plot: {report['png_error']}"]
-    lines += ["", "Logs: " + ", ".join(f"`{r['log']}`" for r in report["backends"].values() if r.get("log")), ""]
+    lines += ["", "Logs: " + ", ".join(f"`{r['log']}`" for r in backends.values() if r.get("log")), ""]
     path.write_text("\n".join(lines))
 
 
@@ -323,12 +989,13 @@ def write_png(report: dict, path: Path) -> str | None:
         import matplotlib.pyplot as plt
     except Exception as e:  # pragma: no cover - depends on the environment
         return f"matplotlib is not available ({e}); pip install matplotlib"
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, (ax1, ax2, ax3, ax4) = plt.subplots(1, 4, figsize=(21, 4.8))
     names = list(report["backends"])
     for b in names:
         curve = report["backends"][b].get("loss_curve") or []
         if curve:
-            ax1.plot([c[0] for c in curve], [c[1] for c in curve], marker=".", label=b)
+            ax1.plot([c[0] for c in curve], [c[1] for c in curve], marker="." if len(curve) < 60 else None,
+                     linewidth=1, label=b)
     ax1.set_xlabel("iteration")
     ax1.set_ylabel("lm loss")
     ax1.set_title("loss")
@@ -337,8 +1004,10 @@ def write_png(report: dict, path: Path) -> str | None:
     vals = [report["backends"][b].get("tokens_per_s_per_gpu") or 0.0 for b in names]
     bars = ax2.bar(names, vals, color=["C%d" % i for i in range(len(names))])
     for bar, b in zip(bars, names):
-        st = report["backends"][b]["status"]
-        label = f"{bar.get_height():,.0f}" if st == "ok" else st
+        r = report["backends"][b]
+        label = f"{bar.get_height():,.0f}" if r["status"] == "ok" else r["status"]
+        if r.get("speedup_vs_alltoall") and b != "alltoall":
+            label += f"\n{r['speedup_vs_alltoall']:.2f}x"
         ax2.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
     ax2.set_ylabel("tokens / s / GPU")
     ax2.set_title(f"throughput (median step, first {report.get('warmup', '?')} iters excluded)")
@@ -349,6 +1018,25 @@ def write_png(report: dict, path: Path) -> str | None:
     ax3.set_ylabel("MiB")
     ax3.set_title("peak memory per rank" + (f"\n({'; '.join(sorted(s for s in srcs if s))})" if srcs else ""),
                   fontsize=9)
+    for tick in (*ax2.get_xticklabels(), *ax3.get_xticklabels()):
+        tick.set_rotation(20)
+    prof = {b: report["backends"][b]["profile"] for b in names
+            if (report["backends"][b].get("profile") or {}).get("breakdown_us")}
+    if prof:
+        bottoms = [0.0] * len(prof)
+        keys = ("moe", "attention", "dense", "optimizer", "other", "idle")
+        for n, k in enumerate(keys):
+            v = [p["breakdown_us"][k] / 1e3 for p in prof.values()]
+            ax4.bar(list(prof), v, bottom=bottoms, label=k, color=f"C{n}")
+            bottoms = [a + b for a, b in zip(bottoms, v)]
+        for x, (b, p) in enumerate(prof.items()):
+            ax4.annotate(f"MoE {_pct(p.get('moe_share'))}", (x, bottoms[x]), ha="center", va="bottom", fontsize=8)
+        ax4.set_ylabel("ms per profiled step")
+        ax4.legend(fontsize=8)
+        ax4.set_title("step breakdown (torch profiler)")
+    else:
+        ax4.text(0.5, 0.5, "not profiled\n(--profile-iters S:E)", ha="center", va="center")
+        ax4.set_axis_off()
     fig.suptitle(f"{report.get('config_name', '')}: {report.get('world_size', '?')} ranks"
                  + (f", {report['device']}" if report.get("device") else ""))
     fig.tight_layout()
@@ -357,8 +1045,10 @@ def write_png(report: dict, path: Path) -> str | None:
     return None
 
 
-def finish(results: dict, meta: dict, out: Path) -> dict:
+def finish(results: dict, meta: dict, out: Path, soak: dict | None = None) -> dict:
     report = build_report(results, meta)
+    if soak is not None:
+        report["soak"] = soak_checks(report["backends"], soak["fields"], soak["iters"], soak["digest_every"])
     png = out / "compare.png"
     err = write_png(report, png)
     if err:
@@ -369,11 +1059,44 @@ def finish(results: dict, meta: dict, out: Path) -> dict:
     return report
 
 
-def result_from_log(log_path: Path, rc, wall, warmup, world_size=None):
+def result_from_log(log_path: Path, rc, wall, warmup, world_size=None, exclude=None, fields_out=None, name=None):
     log = logparse.parse_log_file(log_path)
     summary = logparse.summarize(log, warmup=warmup, world_size=world_size)
+    if exclude:
+        summary = retime(log, summary, warmup, exclude)
+    if fields_out is not None and name is not None:
+        fields_out[name] = log_fields(log)
     status, reason = classify(rc, log, summary)
     return {"status": status, "reason": reason, "exit_code": rc, "wall_s": wall, "log": str(log_path), **summary}
+
+
+def skipped_result(reason: str) -> dict:
+    return {"status": "skipped", "reason": reason, "exit_code": None, "wall_s": 0.0, "log": None,
+            "loss_curve": [], "iterations_logged": 0}
+
+
+def transformer_engine_probe(python: str) -> bool | None:
+    """Can the ranks' interpreter import transformer_engine? (find_spec only; None if unknown)"""
+    code = "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('transformer_engine') else 3)"
+    try:
+        rc = subprocess.run([python, "-c", code], capture_output=True, timeout=60).returncode
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {0: True, 3: False}.get(rc)
+
+
+def not_runnable_reason(name: str, cfg_args: list[str], python: str) -> str:
+    if name == "alltoall_fp8":
+        impl = cfg_args[cfg_args.index("--transformer-impl") + 1] if "--transformer-impl" in cfg_args[:-1] else None
+        impl_text = ("this recipe uses --transformer-impl local, which has no FP8 path" if impl == "local"
+                     else f"this recipe's --transformer-impl is {impl or 'unset'}")
+        te = transformer_engine_probe(python)
+        probe = {True: "; transformer_engine is importable by the ranks' interpreter, but the comparison is "
+                       "defined without it",
+                 False: "; transformer_engine is not importable by the ranks' interpreter",
+                 None: ""}[te]
+        return MEGATRON_FP8_REASON.format(impl=impl_text) + probe
+    return f"{name} is not runnable"
 
 
 def parse_args(argv):
@@ -383,13 +1106,16 @@ def parse_args(argv):
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--config", help="Megatron argument file, e.g. configs/deepseek-v3-tiny.args")
-    p.add_argument("--backends", default="mok,alltoall,hybridep", help="comma-separated (default %(default)s)")
+    p.add_argument("--backends", default=None,
+                   help=f"comma-separated, of {','.join(KNOWN_BACKENDS)} (default mok,alltoall,hybridep; "
+                        "with --soak mok,alltoall)")
     p.add_argument("--nproc-per-node", type=int, default=None,
                    help="ranks per node (default: GPUs on this node, or 2 on CPU)")
     p.add_argument("--nnodes", type=int, default=None, help="nodes (srun launcher only; default: the allocation)")
-    p.add_argument("--iters", type=int, default=20, help="--train-iters for every backend (default %(default)s)")
+    p.add_argument("--iters", type=int, default=None,
+                   help="--train-iters for every backend (default 20; with --soak 500)")
     p.add_argument("--warmup", type=int, default=3, help="logged iterations excluded from timing (default %(default)s)")
     p.add_argument("--launcher", choices=("auto", "local", "srun"), default="auto",
                    help="auto: srun inside a multi-node Slurm allocation, else local")
@@ -400,39 +1126,83 @@ def parse_args(argv):
     p.add_argument("--no-rank-stats", action="store_true", help="do not wrap ranks in rank_stats.py")
     p.add_argument("--out", default=None, help="output folder (default bench/results/compare-<config>-<time>)")
     p.add_argument("--rerun", default="", help="comma-separated backends to train a second time (bitwise check)")
-    p.add_argument("--param-digest-every", type=int, default=0,
-                   help="ranks print a digest of their parameters' bits every N iterations (0: off)")
+    p.add_argument("--param-digest-every", type=int, default=None,
+                   help="ranks print a digest of their parameters' bits every N iterations, through Megatron's "
+                        "--mok-param-digest-every N (0: off; default 0, with --soak 100)")
+    p.add_argument("--profile-iters", default=None, metavar="S:E",
+                   help="torch-profile rank 0 over Megatron steps S..E-1 (--profile-step-start S --profile-step-end E) "
+                        "and report the step breakdown and the MoE share")
+    p.add_argument("--no-strict", action="store_true",
+                   help="on GPUs, do not pass --mok-strict to the mok variants (a fallback to the reference only warns)")
+    p.add_argument("--soak", action="store_true",
+                   help="soak checks (loss agreement, NaN/inf, bitwise reruns, throughput drift); adds Megatron's "
+                        "--deterministic-mode")
     p.add_argument("--from-logs", nargs="+", metavar="BACKEND=LOG",
                    help="no training: report these existing logs")
+    p.add_argument("--traces", nargs="+", metavar="BACKEND=TRACE", default=[],
+                   help="with --from-logs: torch profiler traces to break down")
     a = p.parse_args(argv)
     a.extra = extra
+    if a.backends is None:
+        a.backends = "mok,alltoall" if a.soak else "mok,alltoall,hybridep"
+    if a.iters is None:
+        a.iters = 500 if a.soak else 20
+    if a.param_digest_every is None:
+        a.param_digest_every = 100 if a.soak else 0
     return a, p
+
+
+def _pairs(items, parser, what):
+    pairs = []
+    for item in items:
+        if "=" not in item:
+            parser.error(f"{what} wants BACKEND=PATH, got {item!r}")
+        b, lp = item.split("=", 1)
+        if not Path(lp).is_file():
+            parser.error(f"file not found: {lp}")
+        pairs.append((b, Path(lp)))
+    return pairs
 
 
 def main(argv=None) -> int:
     a, parser = parse_args(sys.argv[1:] if argv is None else argv)
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    if a.param_digest_every < 0:
+        parser.error("--param-digest-every must be >= 0")
+    profile = None
+    if a.profile_iters:
+        try:
+            profile = parse_profile_iters(a.profile_iters)
+        except ValueError as err:
+            parser.error(str(err))
 
     if a.from_logs:
-        pairs = []
-        for item in a.from_logs:
-            if "=" not in item:
-                parser.error(f"--from-logs wants BACKEND=LOG, got {item!r}")
-            b, lp = item.split("=", 1)
-            if not Path(lp).is_file():
-                parser.error(f"log not found: {lp}")
-            pairs.append((b, Path(lp)))
+        pairs = _pairs(a.from_logs, parser, "--from-logs")
+        traces = dict(_pairs(a.traces, parser, "--traces"))
         out = Path(a.out or REPO / "bench" / "results" / f"compare-logs-{stamp}")
         out.mkdir(parents=True, exist_ok=True)
-        results = {b: result_from_log(lp, 0, None, a.warmup) for b, lp in pairs}
+        exclude = profile_excluded_iterations(*profile) if profile else set()
+        fields = {}
+        results = {b: result_from_log(lp, 0, None, a.warmup, exclude=exclude, fields_out=fields, name=b)
+                   for b, lp in pairs}
+        for b, tp in traces.items():
+            if b in results:
+                results[b]["profile"] = analyze_trace(tp)
         any_r = next(iter(results.values()))
+        iters = any_r.get("train_iters")
         meta = {"config_name": a.config and Path(a.config).stem or "from-logs", "world_size": any_r.get("world_size"),
-                "iters": any_r.get("train_iters"), "warmup": a.warmup, "created": stamp,
+                "iters": iters, "warmup": a.warmup, "created": stamp,
                 "logs": {b: str(lp) for b, lp in pairs}}
-        finish(results, meta, out)
+        if exclude:
+            meta["profile_excluded"] = sorted(exclude)
+        soak = {"fields": fields, "iters": iters or a.iters, "digest_every": a.param_digest_every} if a.soak else None
+        report = finish(results, meta, out, soak)
         print(f"[compare] wrote {out}/compare.json, compare.md"
               + (", compare.png" if (out / "compare.png").exists() else ""), file=sys.stderr)
         print(str(out))
+        if soak is not None:
+            _print_soak(report["soak"])
+            return 0 if report["soak"]["ok"] else 1
         return 0
 
     if not a.config:
@@ -449,8 +1219,6 @@ def main(argv=None) -> int:
     reruns = [b.strip() for b in a.rerun.split(",") if b.strip()]
     if any(b not in backends for b in reruns):
         parser.error(f"--rerun {a.rerun}: every rerun backend must also be in --backends ({a.backends})")
-    if a.param_digest_every < 0:
-        parser.error("--param-digest-every must be >= 0")
     python = a.python or default_python()
     if not shutil.which(python) and not Path(python).exists():
         parser.error(f"python interpreter not found: {python}")
@@ -482,39 +1250,84 @@ def main(argv=None) -> int:
         "entry": a.entry, "host": socket.gethostname(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
     }
-    env_extra = {"MOK_PARAM_DIGEST_EVERY": str(a.param_digest_every)} if a.param_digest_every else {}
+    common = ["--train-iters", str(a.iters), "--log-interval", "1"]
+    if a.param_digest_every:
+        common += ["--mok-param-digest-every", str(a.param_digest_every)]
+    if a.soak and "--deterministic-mode" not in cfg_args + a.extra:
+        common.append("--deterministic-mode")
+    exclude = set()
+    if profile:
+        exclude = profile_excluded_iterations(*profile)
+        meta["profile_iters"] = list(profile)
+        meta["profile_excluded"] = sorted(exclude)
     meta["reruns"] = reruns
     meta["param_digest_every"] = a.param_digest_every
-    results = {}
+    meta["soak"] = a.soak
+    results, fields = {}, {}
     for name, b in [(b, b) for b in backends] + [(f"{b}_rerun", b) for b in reruns]:
-        tail = [*cfg_args, "--moe-backend", b, "--train-iters", str(a.iters), "--log-interval", "1", *a.extra]
+        spec = backend_args(b, gpu=gpus > 0, strict=not a.no_strict)
+        moe_backend, variant_args = spec if spec is not None else (BACKEND_VARIANTS[b][0], None)
+        if variant_args is None:
+            reason = not_runnable_reason(b, cfg_args, python)
+            results[name] = skipped_result(reason)
+            print(f"[compare] {name}: skipped: {reason}", file=sys.stderr, flush=True)
+            continue
+        tail = [*cfg_args, "--moe-backend", moe_backend, *variant_args, *common]
+        if profile:
+            tail += profile_megatron_args(*profile, out / "profile" / name / "tb")
+        tail += a.extra
         print(f"[compare] {name}: {world} ranks ({launcher}) ...", file=sys.stderr, flush=True)
         if launcher == "local":
-            rc, wall, lp = run_local(tail, nproc, python, a.entry, log_dir, name, a.timeout, env_extra,
-                                     not a.no_rank_stats)
+            rc, wall, lp = run_local(tail, nproc, python, a.entry, log_dir, name, a.timeout, {}, not a.no_rank_stats)
         else:
-            rc, wall, lp = run_srun(tail, nnodes, nproc, python, a.entry, log_dir, name, a.timeout, env_extra,
+            rc, wall, lp = run_srun(tail, nnodes, nproc, python, a.entry, log_dir, name, a.timeout, {},
                                     not a.no_rank_stats)
-        r = result_from_log(lp, rc, round(wall, 1), a.warmup, world_size=world)
+        r = result_from_log(lp, rc, round(wall, 1), a.warmup, world_size=world, exclude=exclude,
+                            fields_out=fields, name=name)
         r["log"] = str(lp.relative_to(out))
+        r["moe_backend"], r["variant_args"] = moe_backend, variant_args
+        if profile and r["status"] == "ok":
+            trace = out / "profile" / name / "torch_profile" / "rank-0.json.gz"
+            r["profile"] = analyze_trace(trace) if trace.is_file() else {"trace": str(trace), "error": "no trace written"}
         results[name] = r
         msg = f"{r['status']}"
         if r["status"] == "ok":
             msg += f": {r['tokens_per_s_per_gpu']:.1f} tokens/s/GPU, median step {r['median_step_ms']:.1f} ms"
+            prof = r.get("profile") or {}
+            if prof.get("moe_share") is not None:
+                msg += f", MoE share {100 * prof['moe_share']:.1f} % of the profiled step"
+            elif prof.get("error"):
+                msg += f", profile: {prof['error']}"
         else:
             msg += f": {r['reason']}"
         print(f"[compare] {name}: {msg} ({wall:.0f} s)", file=sys.stderr, flush=True)
     ran = sorted({r["train_iters"] for r in results.values() if r.get("train_iters")})
     if ran:  # the extra Megatron args may override --iters
         meta["iters"] = ran[0] if len(ran) == 1 else ran
-    report = finish(results, meta, out)
+    soak = None
+    if a.soak:
+        soak = {"fields": fields, "iters": ran[0] if len(ran) == 1 else a.iters, "digest_every": a.param_digest_every}
+    report = finish(results, meta, out, soak)
     print(f"[compare] wrote {out}/compare.json, compare.md, compare.png", file=sys.stderr)
+    for b, r in report["backends"].items():
+        if r.get("speedup_vs_alltoall") and b != "alltoall":
+            print(f"[compare] {b}: {r['speedup_vs_alltoall']:.2f}x alltoall tokens/s/GPU", file=sys.stderr)
     print(str(out))
     differ = [b for b, r in report["backends"].items()
               if r.get("bitwise_vs_first_run") and not rerun_identical(r["bitwise_vs_first_run"])]
     if differ:
         print(f"[compare] NOT bitwise reproducible: {', '.join(differ)}", file=sys.stderr)
-    return 1 if differ or any(r["status"] == "failed" for r in results.values()) else 0
+    soak_failed = False
+    if soak is not None:
+        _print_soak(report["soak"])
+        soak_failed = not report["soak"]["ok"]
+    return 1 if differ or soak_failed or any(r["status"] == "failed" for r in results.values()) else 0
+
+
+def _print_soak(soak: dict) -> None:
+    print(f"[compare] soak: {'PASS' if soak['ok'] else 'FAIL'}", file=sys.stderr)
+    for name, c in soak["checks"].items():
+        print(f"[compare]   {'ok  ' if c['ok'] else 'FAIL'} {name}: {c.get('detail')}", file=sys.stderr)
 
 
 if __name__ == "__main__":

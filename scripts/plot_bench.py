@@ -1,13 +1,19 @@
 #!/usr/bin/env python3
-"""Regenerate the benchmark table (markdown) and plot (PNG) from bench/results/*.json.
+"""The current results table (and plot) from bench/results/*.json (written by scripts/bench_layer.py).
 
-    python scripts/plot_bench.py                      # all JSON files under bench/results
-    python scripts/plot_bench.py FILE.json ... --md bench/README_table.md --png bench/results/layers.png
-    python scripts/plot_bench.py --no-plot FILE.json   # markdown table to stdout only (no matplotlib)
+    python scripts/plot_bench.py              # bench/README_table.md, README.md's table, bench/results/layers.png
+    python scripts/plot_bench.py --no-plot    # the same without the PNG (no matplotlib needed)
+    python scripts/plot_bench.py --check      # exit 1 if README.md or bench/README_table.md is not what the files give
+    python scripts/plot_bench.py FILE.json    # print the table of these files; write nothing
 
-Without FILE arguments, the files named in bench/results/CURRENT.txt (the measurements of the
-current code) come first in the table and are the only ones plotted; the others follow in the
-table as history.
+The table has one line per mok row (shape, T, pass, precision, routing, variant): its time, the
+fastest baseline of the same precision and of any precision with mok's speedup over each (baseline ms /
+mok ms), TFLOP/s, and the roofline (bench_layer.py's roofline_ms: max(FLOPs / R_mm, HBM bytes / HBM
+rate, NVLink bytes / NVLink rate)) with the fraction of it reached (roofline ms / measured ms).
+README.md gets that table between the lines ``<!-- results:begin -->`` and ``<!-- results:end -->``
+(nothing else of README.md changes); bench/README_table.md gets it with every row of every backend
+and the commands that produced the files. bench/results/ holds only files that measure the current
+code, so the table is the current state.
 """
 
 from __future__ import annotations
@@ -16,133 +22,285 @@ import argparse
 import glob
 import json
 import os
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BACKEND_ORDER = ["mok", "mok@precision=fp8", "mok_ab", "mok_staged", "mok_recompute", "alltoall", "symm_a2a"]
+RESULTS = os.path.join(ROOT, "bench", "results")
+README = os.path.join(ROOT, "README.md")
+TABLE_MD = os.path.join(ROOT, "bench", "README_table.md")
+PNG = os.path.join(RESULTS, "layers.png")
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+SHAPE_ORDER = ["deepseek-v3", "kimi-k2", "glm-5", "qwen3.5-397b", "deepseek-v4-pro"]
+BASELINE_PRECISION = {"alltoall": "bf16", "alltoall_fp8": "fp8", "symm_a2a": "bf16"}
 
 
-def load(paths):
-    docs = []
+def load(paths) -> list[dict]:
+    """The layer-benchmark documents among the JSON files ``paths``."""
+    docs, names = [], []
     for p in paths:
         with open(p) as f:
-            d = json.load(f)
-        if "gpu" not in d:  # not a layer benchmark (e.g. an end-to-end comparison from compare_backends.py)
+            docs.append(json.load(f))
+        names.append(os.path.relpath(os.path.abspath(p), ROOT))
+    return load_docs(docs, names)
+
+
+def load_docs(docs: list, names: list[str] | None = None) -> list[dict]:
+    """The layer-benchmark documents among ``docs`` (others, e.g. end-to-end comparisons, are
+    skipped), each with its file name in ``_file``."""
+    out = []
+    for i, d in enumerate(docs):
+        if not isinstance(d, dict) or "gpu" not in d or "results" not in d:
             continue
-        d["_file"] = os.path.relpath(p, ROOT)
-        docs.append(d)
-    return docs
-
-
-def _current_files() -> list:
-    """Absolute paths listed in bench/results/CURRENT.txt (one file name per line, # comments)."""
-    path = os.path.join(ROOT, "bench", "results", "CURRENT.txt")
-    if not os.path.exists(path):
-        return []
-    names = [ln.split("#", 1)[0].strip() for ln in open(path)]
-    out = [os.path.join(ROOT, "bench", "results", n) for n in names if n]
-    missing = [p for p in out if not os.path.exists(p)]
-    if missing:
-        raise SystemExit(f"bench/results/CURRENT.txt names missing files: {missing}")
+        out.append(dict(d, _file=names[i] if names else d.get("_file", f"results_{i}.json")))
     return out
 
 
-def table(docs) -> str:
-    lines = []
+def is_mok(backend: str) -> bool:
+    return backend == "mok" or backend.startswith("mok@")
+
+
+def precision_of(row: dict) -> str:
+    if row.get("precision"):
+        return row["precision"]
+    if row["backend"] in BASELINE_PRECISION:
+        return BASELINE_PRECISION[row["backend"]]
+    return "fp8" if "precision=fp8" in row["backend"] else "bf16"
+
+
+def _case(doc: dict, row: dict) -> tuple:
+    return (doc["gpu"], doc.get("ep", row.get("ep", 1)), row.get("pass_", doc.get("pass_", "fwd")), row["shape"],
+            row["tokens"], row.get("routing", "random"))
+
+
+def _sort_key(doc: dict, row: dict) -> tuple:
+    gpu, ep, pas, shape, T, routing = _case(doc, row)
+    return (gpu, ep, 0 if pas == "fwd" else 1, SHAPE_ORDER.index(shape) if shape in SHAPE_ORDER else 99, shape, T,
+            routing != "random", routing, precision_of(row) != "bf16", not is_mok(row["backend"]),
+            row["backend"] != "mok", row["backend"])
+
+
+def mok_lines(docs: list[dict]) -> list[dict]:
+    """One entry per mok row: the row, its document, and the fastest ok baseline of the same precision
+    and of any precision in the same case (None where none ran)."""
+    baselines: dict = {}
     for d in docs:
-        lines.append(f"### {d['_file']}: {d['gpu']}, EP={d['ep']}, pass={d.get('pass_', 'fwd')}, torch {d['torch']}, "
-                     f"CUDA {d['cuda']}, bf16 matmul 8192^3 = {d['matmul_8192_tflops']:.0f} TFLOP/s")
-        lines.append("")
-        lines.append(f"`{d['command']}`")
-        lines.append("")
-        if d.get("note"):
-            lines.append(f"Note: {d['note']}")
-            lines.append("")
-        mem = any("saved_bytes_per_token" in r for r in d["results"])
-        lines.append("| shape | T/GPU | routing | backend | ms (median of max over ranks) | TFLOP/s | % of matmul | vs mok | rel. err |"
-                     + (" saved for bwd (KiB/token) | bwd peak (KiB/token) |" if mem else ""))
-        lines.append("|---|---:|---|---|---:|---:|---:|---:|---|" + ("---:|---:|" if mem else ""))
-        by_key = {}
         for r in d["results"]:
-            by_key.setdefault((r["shape"], r["tokens"], r.get("routing", "random")), {})[r["backend"]] = r
-        for (shape, T, routing), group in sorted(by_key.items()):
-            mok = group.get("mok")
-            for be in sorted(group, key=lambda b: BACKEND_ORDER.index(b) if b in BACKEND_ORDER else 99):
-                r = group[be]
-                if r.get("status") != "ok":
-                    lines.append(f"| {shape} | {T} | {routing} | {be} | error: {r.get('error', '?')[:80]} | | | | |"
-                                 + (" | |" if mem else ""))
-                    continue
-                speed = f"{r['ms'] / mok['ms']:.2f}x" if mok and mok.get("status") == "ok" and be != "mok" else ""
-                err = ""
-                if "gate_rel_err_vs_fp32_reference" in r:
-                    err = f"{r['gate_rel_err_vs_fp32_reference']:.1e} vs fp32 ref"
-                elif r.get("bitwise_equal_to_mok"):
-                    err = "bitwise = mok"
-                elif "rel_err_vs_mok" in r:
-                    err = f"{r['rel_err_vs_mok']:.1e} vs mok"
-                kib = (lambda key: f"{r[key] / 1024:.1f}" if key in r else "")
-                label = f"{be} ({r['ab_env']})" if be == "mok_ab" and "ab_env" in r else be
-                lines.append(f"| {shape} | {T} | {routing} | {label} | {r['ms']:.3f} | {r['tflops']:.0f} | "
-                             f"{100 * r.get('roofline_frac', 0):.0f}% | {speed} | {err} |"
-                             + (f" {kib('saved_bytes_per_token')} | {kib('bwd_peak_bytes_per_token')} |" if mem else ""))
-        lines.append("")
-    lines.append("`vs mok`: that backend's time over mok's (above 1: mok is faster).")
+            if not is_mok(r["backend"]) and r.get("status") == "ok":
+                baselines.setdefault(_case(d, r), []).append(r)
+    out = []
+    for d in docs:
+        for r in d["results"]:
+            if not is_mok(r["backend"]):
+                continue
+            pool = baselines.get(_case(d, r), [])
+            same = [b for b in pool if precision_of(b) == precision_of(r)]
+            out.append({"doc": d, "row": r, "same": min(same, key=lambda b: b["ms"]) if same else None,
+                        "any": min(pool, key=lambda b: b["ms"]) if pool else None})
+    out.sort(key=lambda e: _sort_key(e["doc"], e["row"]))
+    return out
+
+
+def _vs(base: dict | None, row: dict) -> str:
+    if base is None:
+        return "–"
+    return f"{base['backend']} {base['ms']:.2f} ms ({base['ms'] / row['ms']:.2f}x)"
+
+
+def _roof(row: dict) -> tuple[str, str]:
+    roof = row.get("roofline")
+    if not roof or "roofline_ms" not in row:
+        return "–", "–"
+    return f"{row['roofline_ms']:.2f} ({roof.get('bound', '?')})", f"{100 * row['roofline_ms'] / row['ms']:.0f}%"
+
+
+def results_table(docs: list[dict]) -> str:
+    """The one current results table (markdown)."""
+    lines = ["| GPU | EP | pass | shape | T | routing | precision | mok variant | mok ms | "
+             "same-precision baseline (speedup) | fastest baseline, any precision (speedup) | TFLOP/s | "
+             "roofline ms (bound) | % of roofline |",
+             "|---|---:|---|---|---:|---|---|---|---:|---|---|---:|---:|---:|"]
+    for e in mok_lines(docs):
+        d, r = e["doc"], e["row"]
+        gpu, ep, pas, shape, T, routing = _case(d, r)
+        head = f"| {gpu.replace('NVIDIA ', '')} | {ep} | {pas} | {shape} | {T} | {routing} | {precision_of(r)} | " \
+               f"{r['backend']} |"
+        if r.get("status") != "ok":
+            lines.append(f"{head} {r.get('status', '?')}: {str(r.get('error', ''))[:80]} | | | | | |")
+            continue
+        roof_ms, frac = _roof(r)
+        lines.append(f"{head} {r['ms']:.2f} | {_vs(e['same'], r)} | {_vs(e['any'], r)} | {r.get('tflops', 0):.0f} | "
+                     f"{roof_ms} | {frac} |")
+    if len(lines) == 2:
+        return "No current results: bench/results/ holds no layer benchmark file (scripts/bench_layer.py writes them)."
     return "\n".join(lines)
 
 
-def plot(docs, png: str) -> None:
+def readme_block(docs: list[dict]) -> str:
+    """What goes between README.md's markers."""
+    table = results_table(docs)
+    if not docs:
+        return table
+    rates = sorted({(d["gpu"].replace("NVIDIA ", ""), _rate(d, "bf16"), _rate(d, "fp8")) for d in docs})
+    return (table + "\n\n"
+            + "Speedup: the baseline's time over mok's. Roofline: max(FLOPs / R_mm, HBM bytes / 4.2 TB/s, NVLink "
+            "bytes / NVLink rate), with R_mm the dense matmul rate of the row's precision measured in the same run ("
+            + "; ".join(f"{g}: bf16 {b}, e4m3 {f} TFLOP/s" for g, b, f in rates)
+            + "); % of roofline: the roofline's time over the measured time. Generated by `scripts/plot_bench.py` "
+            "from `bench/results/*.json`; every row of every backend and the commands are in "
+            "[bench/README_table.md](bench/README_table.md).")
+
+
+def _rate(doc: dict, precision: str) -> str:
+    v = (doc.get("rates") or {}).get("matmul_tflops", {}).get(precision)
+    return f"{v:.0f}" if v else "–"
+
+
+def all_rows_table(doc: dict) -> str:
+    """Every row of one file (baselines included)."""
+    lines = ["| pass | shape | T | routing | backend | precision | ms | TFLOP/s | roofline ms (bound) | % of roofline | "
+             "check |",
+             "|---|---|---:|---|---|---|---:|---:|---:|---:|---|"]
+    for r in sorted(doc["results"], key=lambda r: _sort_key(doc, r)):
+        _, _, pas, shape, T, routing = _case(doc, r)
+        head = f"| {pas} | {shape} | {T} | {routing} | {r['backend']} | {precision_of(r)} |"
+        if r.get("status") != "ok":
+            lines.append(f"{head} {r.get('status', '?')}: {str(r.get('error', ''))[:80]} | | | | |")
+            continue
+        check = ""
+        if "gate_rel_err_vs_fp32_reference" in r:
+            check = f"{r['gate_rel_err_vs_fp32_reference']:.1e} vs fp32 reference"
+        elif "bitwise_equal" in r:
+            check = ("bitwise = " if r["bitwise_equal"] else "bits differ from ") + r.get("bitwise_equal_to", "?")
+        elif "rel_err_vs_mok" in r:
+            check = f"{r['rel_err_vs_mok']:.1e} vs mok"
+        roof_ms, frac = _roof(r)
+        lines.append(f"{head} {r['ms']:.3f} | {r.get('tflops', 0):.0f} | {roof_ms} | {frac} | {check} |")
+    return "\n".join(lines)
+
+
+def table_md(docs: list[dict]) -> str:
+    """bench/README_table.md."""
+    out = ["# Layer benchmark: current results", "",
+           "Generated by `scripts/plot_bench.py` from `bench/results/*.json` (each written by "
+           "`scripts/bench_layer.py`); do not edit by hand.", "", results_table(docs), ""]
+    for d in sorted(docs, key=lambda d: d["_file"]):
+        rates = d.get("rates") or {}
+        out += [f"## {d['_file']}", "",
+                f"{d['gpu']}, EP={d.get('ep')}, pass={d.get('pass_', 'fwd')}, torch {d.get('torch')}, CUDA "
+                f"{d.get('cuda')}. Matmul rates of the run: bf16 {_rate(d, 'bf16')}, e4m3 {_rate(d, 'fp8')} TFLOP/s; "
+                f"HBM {rates.get('hbm_bytes_per_s', 0) / 1e12:.2f} TB/s, NVLink "
+                f"{rates.get('nvlink_bytes_per_s', 0) / 1e9:.0f} GB/s a direction.", ""]
+        out += [f"    {c}" for c in (d.get("commands") or [d.get("command", "?")])]
+        out.append("")
+        if d.get("note"):
+            out += [f"Note: {d['note']}", ""]
+        out += [all_rows_table(d), ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def replace_between_markers(text: str, body: str, begin: str = BEGIN, end: str = END) -> str:
+    """text with everything between the begin and end marker lines replaced by body."""
+    i, j = text.find(begin), text.find(end)
+    if i < 0 or j < 0 or j < i or text.count(begin) != 1 or text.count(end) != 1:
+        raise ValueError(f"README.md needs exactly one {begin} line and one {end} line after it")
+    head = text[:i + len(begin)]
+    return f"{head}\n{body.strip()}\n{text[j:]}"
+
+
+def plot(docs: list[dict], png: str) -> None:
+    """Per (GPU, EP, pass): each backend's fraction of its precision's roofline, by case."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(docs), 1, figsize=(12, 4 * len(docs)), squeeze=False)
-    for ax, d in zip(axes[:, 0], docs):
-        keys = sorted({(r["shape"], r["tokens"]) for r in d["results"]})
-        present = list(dict.fromkeys(r["backend"] for r in d["results"]))  # in file order
-        backends = [b for b in BACKEND_ORDER if b in present] + [b for b in present if b not in BACKEND_ORDER]
-        width = 0.8 / max(1, len(backends))
+    groups: dict = {}
+    for d in docs:
+        for r in d["results"]:
+            if r.get("status") == "ok" and "roofline_ms" in r:
+                gpu, ep, pas = _case(d, r)[:3]
+                groups.setdefault((gpu, ep, pas), []).append((d, r))
+    if not groups:
+        return
+    fig, axes = plt.subplots(len(groups), 1, figsize=(12, 4 * len(groups)), squeeze=False)
+    for ax, ((gpu, ep, pas), items) in zip(axes[:, 0], sorted(groups.items())):
+        cases = sorted({_case(d, r)[3:] for d, r in items},
+                       key=lambda c: (SHAPE_ORDER.index(c[0]) if c[0] in SHAPE_ORDER else 99, c))
+        backends = sorted({r["backend"] for _, r in items}, key=lambda b: (not is_mok(b), b != "mok", b))
+        width = 0.8 / len(backends)
         for i, be in enumerate(backends):
             vals = []
-            for key in keys:
-                r = next((r for r in d["results"] if (r["shape"], r["tokens"]) == key and r["backend"] == be), None)
-                vals.append(r["tflops"] if r and r.get("status") == "ok" else 0.0)
-            ax.bar([j + i * width for j in range(len(keys))], vals, width, label=be)
-        ax.axhline(d["matmul_8192_tflops"], color="k", ls="--", lw=1, label="bf16 matmul 8192^3")
-        ax.set_xticks([j + width * (len(backends) - 1) / 2 for j in range(len(keys))])
-        ax.set_xticklabels([f"{s}\nT={t}" for s, t in keys], fontsize=8)
-        ax.set_ylabel(f"TFLOP/s per GPU ({'backward' if d.get('pass_') == 'bwd' else 'forward'})")
-        ax.set_title(f"{d['_file']}: {d['gpu']} EP={d['ep']} ({d['date']})", fontsize=9)
+            for case in cases:
+                hit = [r for d, r in items if r["backend"] == be and _case(d, r)[3:] == case]
+                vals.append(100 * hit[0]["roofline_ms"] / hit[0]["ms"] if hit else 0.0)
+            ax.bar([j + i * width for j in range(len(cases))], vals, width, label=be)
+        ax.set_xticks([j + width * (len(backends) - 1) / 2 for j in range(len(cases))])
+        ax.set_xticklabels([f"{s}\nT={t} {r}" for s, t, r in cases], fontsize=8)
+        ax.set_ylabel("% of its precision's roofline")
+        ax.set_ylim(0, 100)
+        ax.set_title(f"{gpu} EP={ep} {'forward' if pas == 'fwd' else 'backward'}", fontsize=9)
         ax.legend(fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
     fig.savefig(png, dpi=120)
 
 
-def main() -> None:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("files", nargs="*")
-    p.add_argument("--md", default=os.path.join(ROOT, "bench", "README_table.md"))
-    p.add_argument("--png", default=os.path.join(ROOT, "bench", "results", "layers.png"))
-    p.add_argument("--no-plot", action="store_true", help="print the markdown table only")
-    args = p.parse_args()
-    files = args.files or sorted(glob.glob(os.path.join(ROOT, "bench", "results", "*.json")))
-    if not files:
-        raise SystemExit("no result files")
-    current = [] if args.files else _current_files()
-    docs = load(current) + load([f for f in files if os.path.abspath(f) not in current])
-    md = table(docs)
-    if args.no_plot:
-        print(md)
-        return
-    n_cur = len(load(current))
-    with open(args.md, "w") as f:
-        f.write("# Layer benchmark (generated by scripts/plot_bench.py from bench/results/*.json)\n\n"
-                + (f"The first {n_cur} sections measure the current code (bench/results/CURRENT.txt); the "
-                   "rest are earlier versions, kept as history.\n\n" if n_cur else "") + md + "\n")
-    plot(docs[:n_cur] or docs, args.png)
-    print(f"wrote {args.md} and {args.png}")
+    p.add_argument("files", nargs="*", help="print the table of these files instead of writing the current one")
+    p.add_argument("--results", default=RESULTS, help="the results folder (default bench/results)")
+    p.add_argument("--readme", default=README, help="the README whose marked table is replaced")
+    p.add_argument("--md", default=TABLE_MD)
+    p.add_argument("--png", default=PNG)
+    p.add_argument("--no-plot", action="store_true", help="do not draw the PNG")
+    p.add_argument("--no-readme", action="store_true", help="leave the README alone")
+    p.add_argument("--check", action="store_true",
+                   help="write nothing; exit 1 if the README's table or --md differs from what the files give")
+    a = p.parse_args(argv)
+    if a.files:
+        docs = load(a.files)
+        print(results_table(docs))
+        for d in docs:
+            print(f"\n{d['_file']}:\n{all_rows_table(d)}")
+        return 0
+    docs = load(sorted(glob.glob(os.path.join(a.results, "*.json"))))
+    md = table_md(docs)
+    readme_text = new_readme = None
+    if not a.no_readme:
+        with open(a.readme) as f:
+            readme_text = f.read()
+        try:
+            new_readme = replace_between_markers(readme_text, readme_block(docs))
+        except ValueError as exc:
+            print(f"plot_bench: {a.readme}: {exc}", file=sys.stderr)
+            return 1
+    if a.check:
+        stale = []
+        if not os.path.exists(a.md):
+            stale.append(a.md)
+        else:
+            with open(a.md) as f:
+                if f.read() != md:
+                    stale.append(a.md)
+        if new_readme is not None and new_readme != readme_text:
+            stale.append(a.readme)
+        for path in stale:
+            print(f"plot_bench: {os.path.relpath(path, ROOT)} is not what bench/results gives; run "
+                  "python scripts/plot_bench.py", file=sys.stderr)
+        return 1 if stale else 0
+    with open(a.md, "w") as f:
+        f.write(md)
+    written = [a.md]
+    if new_readme is not None and new_readme != readme_text:
+        with open(a.readme, "w") as f:
+            f.write(new_readme)
+        written.append(a.readme)
+    if not a.no_plot and docs:
+        plot(docs, a.png)
+        written.append(a.png)
+    print("wrote " + ", ".join(os.path.relpath(w, ROOT) for w in written))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

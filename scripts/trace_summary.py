@@ -21,9 +21,9 @@ from collections import defaultdict
 # First match wins (case-insensitive); the order matters: mok's own kernels before the generic GEMM
 # patterns, grouped GEMMs before plain ones.
 CATEGORIES = [
-    ("mok kernels", r"megatron_mok|\bmok::|megakernel|schedule_kernel|publish_barrier|bwd_(publish|pull|push|tight)|"
-                    r"gather_rows|swiglu_backward|zero_empty|epilogue_kernel|dispatch_kernel|combine_kernel|"
-                    r"grouped_gemm_kernel|barrier_kernel"),
+    ("mok kernels", r"megatron_mok|\bmok::|megakernel|schedule_kernel|publish_barrier|bwd_(publish|pull|push)|"
+                    r"swiglu_backward|zero_empty|epilogue_kernel|dispatch_kernel|combine_kernel|"
+                    r"grouped_gemm_kernel|expert_gemm|expert_wgrad|barrier_kernel"),
     ("nccl", r"nccl"),
     ("grouped GEMM (torch._grouped_mm)", r"GroupProblemShape|grouped_mm|grouped_?gemm|group_gemm"),
     ("attention softmax / masking", r"softmax|masked_fill"),

@@ -1,9 +1,11 @@
-"""megatron_mok.logparse and scripts/compare_backends.py (no GPU, no Megatron run needed)."""
+"""megatron_mok.tools.logparse and scripts/compare_backends.py (no GPU; a stand-in training module, and one
+real Megatron run of the one-GPU recipe's CPU-tiny variant)."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -13,7 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from megatron_mok import logparse  # noqa: E402
+from megatron_mok.tools import logparse  # noqa: E402
 
 COMPARE = REPO / "scripts" / "compare_backends.py"
 
@@ -142,42 +144,147 @@ def test_classify():
 
 
 def _fake_entry(tmp_path: Path) -> Path:
-    """A stand-in training module: prints Megatron-format lines; 'hybridep' fails like a missing deep_ep."""
+    """A stand-in training module: prints Megatron-format lines; 'hybridep' fails like a missing deep_ep.
+
+    With --profile it copies $FAKE_TRACE to <tensorboard-dir>/../torch_profile/rank-0.json.gz (as
+    Megatron's trace handler names it); FAKE_SLOWDOWN makes later iterations slower, FAKE_LOSS_GAP
+    shifts alltoall's loss."""
     d = tmp_path / "fakeentry"
     d.mkdir()
     (d / "fake_meg.py").write_text(textwrap.dedent(
         """\
-        import argparse, os, sys, time
+        import argparse, os, shutil, sys, time
         p = argparse.ArgumentParser()
         p.add_argument('--moe-backend'); p.add_argument('--train-iters', type=int)
         p.add_argument('--seq-length', type=int, default=32); p.add_argument('--global-batch-size', type=int, default=4)
+        p.add_argument('--mok-param-digest-every', type=int, default=0)
+        p.add_argument('--mok-precision', default='bf16')
+        p.add_argument('--deterministic-mode', action='store_true')
+        p.add_argument('--profile', action='store_true'); p.add_argument('--tensorboard-dir')
+        p.add_argument('--profile-step-start', type=int); p.add_argument('--profile-step-end', type=int)
         a, _ = p.parse_known_args()
         if a.moe_backend == 'hybridep':
             raise ModuleNotFoundError("--moe-backend hybridep needs deep_ep: No module named 'deep_ep'")
         r, w = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
-        every = int(os.environ.get('MOK_PARAM_DIGEST_EVERY', '0'))
+        every = a.mok_param_digest_every
         drift = 0
         if 'FAKE_MARK_DIR' in os.environ:  # a rerun that is not bitwise equal to the first run
             mark = os.path.join(os.environ['FAKE_MARK_DIR'], 'ran_%s_%d' % (a.moe_backend, r))
             drift = int(os.path.exists(mark) and 'FAKE_RERUN_DRIFT' in os.environ)
             open(mark, 'w').close()
         if r == 0:
+            print('FAKE precision=%s deterministic=%s' % (a.mok_precision, a.deterministic_mode))
             print('------------------------ arguments ------------------------')
             for k, v in [('global_batch_size', a.global_batch_size), ('seq_length', a.seq_length), ('world_size', w)]:
                 print('  %s %s %s' % (k, '.' * (48 - len(k)), v))
             print('-------------------- end of arguments ---------------------')
+        if a.profile and r == 0:
+            dst = os.path.join(a.tensorboard_dir, '..', 'torch_profile')
+            os.makedirs(dst, exist_ok=True)
+            shutil.copy(os.environ['FAKE_TRACE'], os.path.join(dst, 'rank-0.json.gz'))
+        slow = float(os.environ.get('FAKE_SLOWDOWN', '0'))
+        gap = float(os.environ.get('FAKE_LOSS_GAP', '0')) if a.moe_backend == 'alltoall' else 0.0
         for it in range(1, a.train_iters + 1):
             time.sleep(0.01)
             if every and ((it - 1) % every == 0 or it == a.train_iters):
                 print('[megatron_mok] param-digest rank=%d iteration=%d value=%016x'
                       % (r, it - 1, 1000 * r + it + drift * (it > 3)), flush=True)
             if r == w - 1:
+                ms = (50.0 if a.moe_backend == 'mok' else 100.0) * (1 + slow * it)
                 print(' [x] iteration %8d/%8d | elapsed time per iteration (ms): %.1f | global batch size: %5d | '
-                      'lm loss: %.6E |' % (it, a.train_iters, 50.0 if a.moe_backend == 'mok' else 100.0,
-                                            a.global_batch_size, 10.0 - it * 0.1), flush=True)
+                      'lm loss: %.6E | grad norm: 1.000 | number of skipped iterations:   0 | '
+                      'number of nan iterations:   0 |' % (it, a.train_iters, ms, a.global_batch_size,
+                                                           10.0 - it * 0.1 + gap), flush=True)
         """
     ))
     return d
+
+
+def _kernel_trace() -> list:
+    """A GPU-style torch profiler trace of one step with known answers (see test_profile_breakdown).
+
+    Main thread 1: forward (attention, MoE, a dense add), the optimizer and one op after it;
+    autograd thread 2: the backward nodes, linked to the forward ops by sequence numbers."""
+    ev = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#5", "tid": 1, "ts": 0, "dur": 1000},
+        {"ph": "X", "cat": "python_function", "tid": 1, "ts": 10, "dur": 800,
+         "name": "megatron/core/pipeline_parallel/schedules.py(696): forward_backward_no_pipelining"},
+        {"ph": "X", "cat": "python_function", "name": "nn.Module: SelfAttention_0", "tid": 1, "ts": 20, "dur": 40},
+        {"ph": "X", "cat": "python_function", "name": "nn.Module: MoKMoELayer", "tid": 1, "ts": 70, "dur": 80},
+        {"ph": "X", "cat": "python_function", "name": "megatron/core/optimizer/optimizer.py(1854): step",
+         "tid": 1, "ts": 850, "dur": 100},
+    ]
+    fwd = [("aten::mm", 25, 10), ("aten::softmax", 40, 11), ("aten::mm", 80, 12), ("MoKFunction", 100, 13),
+           ("aten::add", 160, 14)]
+    for name, ts, seq in fwd:
+        ev.append({"ph": "X", "cat": "cpu_op", "name": name, "tid": 1, "ts": ts, "dur": 4,
+                   "args": {"Sequence number": seq, "Fwd thread id": 0}})
+    bwd = [("AddBackward0", 300, 10, 14), ("MoKFunctionBackward", 320, 40, 13), ("MmBackward0", 370, 20, 12),
+           ("torch::autograd::AccumulateGrad", 392, 5, None), ("SoftmaxBackward0", 400, 10, 11),
+           ("MmBackward0", 415, 10, 10)]
+    for name, ts, dur, seq in bwd:
+        args = {} if seq is None else {"Sequence number": seq, "Fwd thread id": 1}
+        ev.append({"ph": "X", "cat": "cpu_op", "name": "autograd::engine::evaluate_function: " + name, "tid": 2,
+                   "ts": ts, "dur": dur, "args": args})
+    # (launch tid, launch ts, kernel start, kernel end)
+    launches = [(1, 25, 30, 40), (1, 40, 45, 55), (1, 80, 85, 125), (1, 100, 130, 170), (1, 160, 175, 185),
+                (2, 301, 305, 315), (2, 321, 325, 365), (2, 371, 375, 385), (2, 393, 395, 400), (2, 401, 405, 410),
+                (2, 416, 420, 430), (1, 860, 865, 915), (1, 900, 920, 940), (1, 960, 962, 972)]
+    for corr, (tid, lts, ks, ke) in enumerate(launches, start=100):
+        ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "tid": tid, "ts": lts, "dur": 1,
+                   "args": {"correlation": corr}})
+        ev.append({"ph": "X", "cat": "kernel", "name": f"kernel_{corr}", "tid": 7, "ts": ks, "dur": ke - ks,
+                   "args": {"correlation": corr}})
+    return ev
+
+
+def _load_compare():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compare_backends", COMPARE)
+    cb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cb)
+    return cb
+
+
+def test_profile_breakdown_attributes_kernels_to_their_windows():
+    cb = _load_compare()
+    p = cb.profile_breakdown(_kernel_trace())
+    assert p["mode"] == "gpu" and p["steps"] == 1
+    assert p["step_us"] == pytest.approx(972 - 30)
+    b = p["breakdown_us"]
+    # MoE: forward window 85..170 (gap 125..130 included), backward 325..400 (AccumulateGrad right after it)
+    assert b["moe"] == pytest.approx(85 + 75)
+    assert b["attention"] == pytest.approx(25 + 25)
+    assert b["optimizer"] == pytest.approx(70) and b["dense"] == pytest.approx(20) and b["other"] == pytest.approx(10)
+    assert b["idle"] == pytest.approx(942 - 310)
+    assert p["moe_share"] == pytest.approx(160 / 942)
+    assert p["moe_kernel_share"] == pytest.approx(135 / 270)
+    assert p["windows"]["moe"] == {"forward": 1, "backward": 1}
+    assert p["windows"]["attention"] == {"forward": 1, "backward": 1}
+    assert sum(b.values()) == pytest.approx(p["step_us"])
+
+
+def test_profile_breakdown_without_module_windows_says_why():
+    cb = _load_compare()
+    ev = [e for e in _kernel_trace() if not e["name"].startswith("nn.Module")]
+    p = cb.profile_breakdown(ev)
+    assert p["breakdown_us"]["moe"] == 0 and "--pytorch-profiler-collect-callstack" in p["notes"][0]
+    with pytest.raises(ValueError):
+        cb.profile_breakdown([{"ph": "X", "cat": "python_function", "name": "x", "tid": 1, "ts": 0, "dur": 1}])
+
+
+def test_analyze_trace_reads_gzip_and_adds_kernel_categories(tmp_path):
+    import gzip
+
+    cb = _load_compare()
+    path = tmp_path / "rank-0.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": _kernel_trace()}, f)
+    p = cb.analyze_trace(path)
+    assert p["moe_share"] == pytest.approx(160 / 942) and "kernel_categories_us" in p
+    bad = cb.analyze_trace(tmp_path / "missing.json.gz")
+    assert "error" in bad and "FileNotFoundError" in bad["error"]
 
 
 def test_compare_end_to_end_with_stand_in(tmp_path):
@@ -299,3 +406,156 @@ def test_param_digest_sees_every_bit_and_position():
     if not torch.equal(a, b):
         w[0, 0], w[0, 1] = b, a  # same values, other positions
         assert param_digest(m) != d0
+
+
+def _run_compare(tmp_path, *args, env_extra=None, trace=True):
+    entry_dir = _fake_entry(tmp_path)
+    cfg = tmp_path / "c.args"
+    cfg.write_text("# a comment line\n--seq-length 32  # trailing comment\n--global-batch-size 4\n--transformer-impl local\n")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(entry_dir), "HOME": str(tmp_path)}
+    if trace:
+        import gzip
+
+        tp = tmp_path / "template.json.gz"
+        with gzip.open(tp, "wt") as f:
+            json.dump({"traceEvents": _kernel_trace()}, f)
+        env["FAKE_TRACE"] = str(tp)
+    env.update(env_extra or {})
+    out = tmp_path / "out"
+    r = subprocess.run(
+        [sys.executable, str(COMPARE), "--config", str(cfg), "--nproc-per-node", "1", "--entry", "fake_meg",
+         "--python", sys.executable, "--out", str(out), "--timeout", "120", "--no-rank-stats", *args],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    rep = json.loads((out / "compare.json").read_text()) if (out / "compare.json").is_file() else None
+    return r, rep, out
+
+
+def test_compare_variants_profile_and_megatron_fp8_skip(tmp_path):
+    r, rep, out = _run_compare(tmp_path, "--backends", "mok,mok_fp8,alltoall,alltoall_fp8", "--iters", "8",
+                               "--warmup", "1", "--profile-iters", "4:5")
+    assert r.returncode == 0, r.stderr
+    b = rep["backends"]
+    assert [k for k in b] == ["mok", "mok_fp8", "alltoall", "alltoall_fp8"]
+    assert "FAKE precision=fp8" in (out / "logs" / "mok_fp8.log").read_text()
+    assert "FAKE precision=bf16" in (out / "logs" / "mok.log").read_text()
+    fp8 = b["alltoall_fp8"]
+    assert fp8["status"] == "skipped" and "TransformerEngine" in fp8["reason"] and "--transformer-impl local" in fp8["reason"]
+    assert "alltoall_fp8: skipped: Megatron's FP8 recipe" in r.stderr
+    assert b["mok"]["speedup_vs_alltoall"] == pytest.approx(2.0)
+    assert rep["profile_excluded"] == [3, 4, 5]
+    assert b["mok"]["timed_iterations"] == [2, 6, 7, 8]
+    for name in ("mok", "mok_fp8", "alltoall"):
+        assert b[name]["moe_share"] == pytest.approx(160 / 942), name
+        assert (out / "profile" / name / "torch_profile" / "rank-0.json.gz").is_file()
+    assert "MoE share 17.0 % of the profiled step" in r.stderr
+    md = (out / "compare.md").read_text()
+    assert "| alltoall_fp8 | skipped |" in md and "## Step breakdown" in md and "2.00x" in md
+
+
+def test_compare_soak_passes_with_stable_runs(tmp_path):
+    r, rep, out = _run_compare(tmp_path, "--soak", "--backends", "mok,alltoall", "--rerun", "mok", "--iters", "50",
+                               "--param-digest-every", "10", trace=False)
+    assert r.returncode == 0, r.stderr
+    assert "FAKE precision=bf16 deterministic=True" in (out / "logs" / "mok.log").read_text()
+    soak = rep["soak"]
+    assert soak["ok"] and soak["iters"] == 50
+    assert rep["backends"]["mok_rerun"]["bitwise_vs_first_run"]["param_digest_iterations"] == [0, 10, 20, 30, 40, 49]
+    names = list(soak["checks"])
+    assert "mok_rerun: bitwise identical parameter digests" in names
+    assert "alltoall: steps 40-50 within 2% of 10-20" in names
+    assert soak["backends"]["alltoall"]["loss_max_abs_diff_vs_mok"] == 0.0
+    assert "Soak: 50 iterations, PASS" in (out / "compare.md").read_text()
+    assert "[compare] soak: PASS" in r.stderr
+
+
+@pytest.mark.parametrize("env, failing", [
+    ({"FAKE_SLOWDOWN": "0.01"}, "steps 40-50 within 2% of 10-20"),
+    ({"FAKE_LOSS_GAP": "0.5"}, "loss"),
+])
+def test_compare_soak_fails_on_drift_or_loss_gap(tmp_path, env, failing):
+    r, rep, _ = _run_compare(tmp_path, "--soak", "--backends", "mok,alltoall", "--iters", "50", env_extra=env,
+                             trace=False)
+    assert r.returncode == 1
+    bad = [k for k, c in rep["soak"]["checks"].items() if not c["ok"]]
+    assert bad and all(failing in k for k in bad), bad
+
+
+def test_backend_args_make_mok_strict_on_gpus_only():
+    cb = _load_compare()
+    assert cb.backend_args("mok_fp8", gpu=True) == ("mok", ["--mok-precision", "fp8", "--mok-strict"])
+    assert cb.backend_args("mok", gpu=False) == ("mok", [])
+    assert cb.backend_args("mok", gpu=True, strict=False) == ("mok", [])
+    assert cb.backend_args("alltoall", gpu=True) == ("alltoall", [])
+    assert cb.backend_args("alltoall_fp8", gpu=True) is None
+
+
+def test_soak_checks_catch_nan_and_digest_mismatch():
+    cb = _load_compare()
+    curve = [[i, 5.0 - 0.01 * i] for i in range(1, 51)]
+    nan_curve = [[i, float("nan") if i == 30 else l] for i, l in curve]
+    ok = {"status": "ok", "loss_curve": curve, "last_iteration": 50}
+    results = {
+        "mok": dict(ok),
+        "alltoall": {**ok, "loss_curve": nan_curve},
+        "mok_rerun": {**ok, "bitwise_vs_first_run": {"loss_curve_identical": True, "param_digest_iterations": [0, 10],
+                                                     "param_digests_identical": False}},
+        "hybridep": {"status": "skipped", "reason": "No module named 'deep_ep'"},
+    }
+    times = {i: 100.0 for i in range(1, 51)}
+    fields = {b: {"elapsed time per iteration (ms)": times, "grad norm": {i: 1.0 for i in range(1, 51)}}
+              for b in results}
+    soak = cb.soak_checks(results, fields, 50, 10)
+    assert not soak["ok"]
+    failed = sorted(k for k, c in soak["checks"].items() if not c["ok"])
+    assert failed == ["alltoall: no NaN/inf", "mok_rerun: bitwise identical parameter digests"], failed
+    assert soak["backends"]["hybridep"]["reason"].startswith("No module")
+
+
+def test_from_logs_leaves_profiled_iterations_out_of_the_timing(tmp_path):
+    a = tmp_path / "a.log"
+    a.write_text(_log(10))  # 900, 900, then 100/110 alternating
+    out = tmp_path / "rep"
+    r = subprocess.run([sys.executable, str(COMPARE), "--from-logs", f"mok={a}", "--warmup", "2",
+                        "--profile-iters", "5:7", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    m = json.loads((out / "compare.json").read_text())["backends"]["mok"]
+    assert m["timed_iterations"] == [3, 8, 9, 10] and m["excluded_from_timing"] == [4, 5, 6, 7]
+    assert m["median_step_ms"] == pytest.approx(105.0)
+
+
+@pytest.mark.parametrize("text", ["5", "0:2", "7:7", "a:b"])
+def test_bad_profile_iters(tmp_path, text):
+    cfg = tmp_path / "c.args"
+    cfg.write_text("--seq-length 8\n")
+    r = subprocess.run([sys.executable, str(COMPARE), "--config", str(cfg), "--profile-iters", text],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--profile-iters wants S:E" in r.stderr
+
+
+@pytest.mark.timeout(300)
+def test_compare_on_the_one_gpu_tiny_recipe_with_megatron(tmp_path):
+    """Real Megatron on CPU (1 rank, gloo): the recipe's tiny variant with mok and alltoall, profiled."""
+    pytest.importorskip("megatron.training")
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    r = subprocess.run(
+        [sys.executable, str(COMPARE), "--config", str(REPO / "configs" / "deepseek-v3-1gpu-tiny.args"),
+         "--backends", "mok,alltoall,alltoall_fp8", "--nproc-per-node", "1", "--iters", "4", "--warmup", "1",
+         "--profile-iters", "2:3", "--python", sys.executable, "--out", str(out), "--timeout", "240"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=290,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    rep = json.loads((out / "compare.json").read_text())
+    b = rep["backends"]
+    assert b["alltoall_fp8"]["status"] == "skipped"
+    for name in ("mok", "alltoall"):
+        assert b[name]["status"] == "ok" and b[name]["iterations_logged"] == 4, name
+        prof = b[name]["profile"]
+        assert prof["mode"] == "cpu" and prof["steps"] == 1, prof
+        # two MoE layers and two attention modules per micro-batch, 4 micro-batches, forward and backward
+        assert prof["windows"]["moe"] == {"forward": 8, "backward": 8}, prof["windows"]
+        assert prof["windows"]["attention"] == {"forward": 8, "backward": 8}, prof["windows"]
+        assert 0.0 < prof["moe_share"] < 1.0 and prof["breakdown_us"]["optimizer"] > 0
+    # same initialization and data: the first loss agrees to fp32 rounding
+    assert b["alltoall"]["loss_curve"][0][1] == pytest.approx(b["mok"]["loss_curve"][0][1], rel=1e-5)

@@ -157,3 +157,109 @@ def test_routed_capacity_is_monotone_in_capacity_factor():
         assert all(c % ROW_ALIGN == 0 and c >= nle * (ROW_ALIGN - 1) for c in caps)
         # a fraction f of the worst-case rows always fits, plus the padding of every segment
         assert caps[3] >= math.ceil(0.5 * ep * tokens * min(topk, nle))
+
+
+# ---- the Megatron flags (--mok-*), parsed without Megatron ---------------------------------------------
+
+
+def _parse(*argv):
+    import argparse
+
+    from megatron_mok.adapter.backends import add_mok_args
+
+    args = add_mok_args(argparse.ArgumentParser()).parse_args(list(argv))
+    args.num_experts = 8
+    return args
+
+
+def _apply(*argv):
+    from megatron_mok.adapter import backends
+
+    args = _parse(*argv)
+    try:
+        backends.apply_backend(args)
+    finally:
+        backends.set_backend(None)
+    return args
+
+
+@pytest.fixture
+def fresh_warning(monkeypatch):
+    from megatron_mok.adapter import backends
+
+    monkeypatch.setattr(backends, "_WARNED_UNUSED", False)
+
+
+def test_flags_map_onto_the_config():
+    from megatron_mok.adapter.backends import mok_config_from_args
+
+    assert mok_config_from_args(_parse()) == MoKConfig()
+    cfg = mok_config_from_args(_parse("--mok-forward-kernel", "staged", "--mok-strict", "--mok-capacity-factor", "0.5",
+                                      "--mok-precision", "fp8", "--mok-bf16-wgrad", "--mok-recompute-gate-up"))
+    assert cfg == MoKConfig(forward_kernel="staged", strict=True, capacity_factor=0.5, precision="fp8",
+                            fp8_wgrad=False, save_gate_up=False)
+    assert _parse().mok_param_digest_every == 0 and _parse("--mok-param-digest-every", "50").mok_param_digest_every == 50
+
+
+@pytest.mark.parametrize("backend", [None, "mok", "alltoall", "allgather"])
+@pytest.mark.parametrize(("argv", "flag"), [
+    (("--mok-fwd-comm-sms", "0"), "--mok-fwd-comm-sms"),
+    (("--mok-minibatch-rows", "100"), "--mok-minibatch-rows"),
+    (("--mok-capacity-factor", "1.5"), "--mok-capacity-factor"),
+    (("--mok-peer-timeout-s", "0"), "--mok-peer-timeout-s"),
+    (("--mok-forward-kernel", "persistent", "--mok-precision", "fp8"), "--mok-forward-kernel"),
+    (("--mok-bf16-dgrad",), "--mok-bf16-dgrad"),
+    (("--mok-param-digest-every", "-1"), "--mok-param-digest-every"),
+])
+def test_invalid_flags_raise_whatever_the_backend(backend, argv, flag):
+    extra = ("--moe-backend", backend) if backend else ()
+    with pytest.raises(MoKConfigError, match=flag):
+        _apply(*extra, *argv)
+
+
+def test_invalid_flag_choice_is_rejected_by_the_parser():
+    with pytest.raises(SystemExit):
+        _parse("--mok-forward-kernel", "fast")
+
+
+@pytest.mark.parametrize("backend", [None, "alltoall", "allgather"])
+def test_layer_flags_with_another_backend_warn_once(backend, fresh_warning):
+    import warnings
+
+    extra = ("--moe-backend", backend) if backend else ()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _apply(*extra, "--mok-capacity-factor", "0.5", "--mok-strict")
+        _apply(*extra, "--mok-capacity-factor", "0.5")
+    texts = [str(w.message) for w in caught if "megatron_mok" in str(w.message)]
+    assert len(texts) == 1, texts
+    assert "--mok-capacity-factor, --mok-strict only apply to --moe-backend mok" in texts[0]
+
+
+@pytest.mark.parametrize("argv", [("--moe-backend", "mok", "--mok-capacity-factor", "0.5"),
+                                  ("--moe-backend", "alltoall", "--mok-param-digest-every", "10"),
+                                  ("--moe-backend", "alltoall")])
+def test_no_warning_when_the_flags_apply(argv, fresh_warning):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        args = _apply(*argv)
+    assert not [str(w.message) for w in caught if "megatron_mok" in str(w.message)]
+    if "mok" in argv:
+        from megatron_mok.adapter.layer import get_mok_config, set_mok_config
+
+        assert get_mok_config().capacity_factor == 0.5
+        set_mok_config(MoKConfig())
+    assert args.moe_token_dispatcher_type == "alltoall"
+
+
+def test_new_config_fields_are_validated():
+    for field, value in (("forward_kernel", "fast"), ("forward_kernel", None), ("strict", 1), ("strict", "yes")):
+        with pytest.raises(MoKConfigError, match=field):
+            MoKConfig(**{field: value})
+    with pytest.raises(MoKConfigError, match="forward_kernel"):
+        MoKConfig(forward_kernel="persistent", precision="fp8")
+    assert MoKConfig(forward_kernel="persistent").resolved_forward_kernel(1) == "persistent"
+    assert MoKConfig().resolved_forward_kernel(2) == "persistent" and MoKConfig().resolved_forward_kernel(1) == "persistent"
+    assert MoKConfig(precision="fp8").resolved_forward_kernel(8) == "staged"

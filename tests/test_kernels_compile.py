@@ -1,5 +1,6 @@
-"""CI compile check of the CUDA kernels: every csrc/kernels/*.cu builds for sm_90a with nvcc on this
-CPU machine, the GEMM kernels do not spill, and their SASS holds HGMMA (wgmma) instructions."""
+"""CI compile check of the CUDA kernels: every csrc/kernels/**/*.cu builds for sm_90a with nvcc on this
+CPU machine, the GEMM kernels do not spill, and their SASS holds HGMMA (wgmma) instructions. Also: the
+kernel library reads no environment variables (its tuned choices are constants, csrc/kernels/tuning.h)."""
 
 from __future__ import annotations
 
@@ -26,3 +27,12 @@ def test_kernels_compile_for_sm90a_with_hgmma():
     # the e4m3 GEMM runs on e4m3 wgmma (QGMMA in SASS), not on a bf16 fallback
     fp8_line = next(line for line in proc.stdout.splitlines() if line.startswith("expert_gemm_fp8 "))
     assert re.search(r"QGMMA \(e4m3\): [1-9]", fp8_line), fp8_line
+
+
+def test_kernel_library_reads_no_environment():
+    """No getenv anywhere in csrc/: the kernels take every choice from their arguments and from
+    csrc/kernels/tuning.h, so a stray environment variable cannot change what runs."""
+    hits = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "csrc").rglob("*"))
+            if p.suffix in {".cu", ".cuh", ".h", ".cpp"}
+            for i, line in enumerate(p.read_text().splitlines(), 1) if "getenv" in line]
+    assert not hits, hits

@@ -130,13 +130,24 @@ def test_layer_matches_megatron_alltoall_sequential(backend, shared):
 
 
 def _shards(sd):
-    """Every ShardedTensor of a sharded state dict, factories built (extra-state objects skipped)."""
+    """Every ShardedTensor of a sharded state dict, factories built (extra-state objects: _sharded_objects)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     for value in sd.values():
         for t in value.build() if isinstance(value, ShardedTensorFactory) else [value]:
             if isinstance(t, ShardedTensor):
                 yield t
+
+
+def _sharded_objects(sd):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
+
+    out = []
+    for value in sd.values():
+        for t in value.build() if isinstance(value, ShardedTensorFactory) else [value]:
+            if isinstance(t, ShardedObject):
+                out.append((t.key, t.global_shape, t.global_offset, t.replica_id, t.data))
+    return sorted(out, key=repr)
 
 
 def _sharded_keys(sd):
@@ -159,6 +170,11 @@ def _compare_checkpoint_layout(rank, world):
     ref = _sharded_keys(stock.experts.sharded_state_dict(prefix="mlp.", metadata=meta))
     got = _sharded_keys(mok.experts.sharded_state_dict(prefix="mlp.", metadata=meta))
     assert got == ref
+    # ... and the per-expert (empty) extra states SequentialMLP writes, which stock Megatron loads
+    # under the default --dist-ckpt-strictness (a mok checkpoint must hold them).
+    ref_objects = _sharded_objects(stock.experts.sharded_state_dict(prefix="mlp.", metadata=meta))
+    assert len(ref_objects) == 2 * stock.num_local_experts
+    assert _sharded_objects(mok.experts.sharded_state_dict(prefix="mlp.", metadata=meta)) == ref_objects
     # The shard data are the same numbers too (gate/up halves of every local expert).
     ref_data = {(t.key, t.global_offset): t.data for t in _shards(stock.experts.sharded_state_dict(prefix="mlp.", metadata=meta))}
     for t in _shards(mok.experts.sharded_state_dict(prefix="mlp.", metadata=meta)):

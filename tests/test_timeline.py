@@ -1,9 +1,9 @@
-"""megatron_mok.timeline.summarize on hand-made records (CPU)."""
+"""megatron_mok.tools.timeline.summarize on hand-made records (CPU)."""
 
 import pytest
 import torch
 
-from megatron_mok import timeline
+from megatron_mok.tools import timeline
 
 
 def _records(rows, disp=()):
@@ -54,28 +54,3 @@ def test_bad_records_are_named():
     full[:2, :4] = torch.tensor([1, 2, 3, 4])
     with pytest.raises(ValueError, match="timeline records full"):
         timeline.summarize(full)
-
-
-def test_backward_kinds_are_named():
-    """The backward megakernel's records carry its own kind numbers (bwd_megakernel.cu: Kind)."""
-    us = 1000
-    rows = [
-        (0, 0, 1 * us, 9 * us, 0, timeline.BWD_KINDS.index("dgrad_down"), 0, 0),
-        (0, 0, 9 * us, 12 * us, 0, timeline.BWD_KINDS.index("wgrad_up"), 0, 0),
-    ]
-    s = timeline.summarize(_records(rows), kinds=timeline.BWD_KINDS)
-    assert set(s["per_kind"]) == {"dgrad_down", "wgrad_up"}
-    assert s["per_kind"]["wgrad_up"]["tile_us_mean"] == 3.0
-    assert len(timeline.BWD_KINDS) == 8 and timeline.BWD_KINDS[2:4] == ("dgrad_down", "dgrad_up")
-
-
-def test_backward_kind_names_follow_the_kernel():
-    """BWD_KINDS lists csrc/kernels/bwd_megakernel.cu's Kind enum in order (kDgradDown -> dgrad_down)."""
-    import re
-    from pathlib import Path
-
-    src = (Path(__file__).resolve().parents[1] / "csrc" / "kernels" / "bwd_megakernel.cu").read_text()
-    body = re.search(r"enum Kind : int \{(.*?)\};", src, re.S).group(1)
-    names = [re.sub(r"(?<!^)([A-Z])", r"_\1", n.strip().split("=")[0].strip()[1:]).lower()
-             for n in body.split(",") if n.strip() and "kKinds" not in n]
-    assert tuple(names) == timeline.BWD_KINDS

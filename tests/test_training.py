@@ -32,11 +32,16 @@ def _env():
     return env
 
 
+# "stock": no --moe-backend, so Megatron's own MoE layer with its SequentialMLP experts (local spec).
+STOCK = "stock"
+
+
 def train(backend: str, *extra: str, cwd: Path, nproc: int = 2, check: bool = True, args_file: Path | None = None):
     """Run a tiny config; return (iteration -> (loss, grad norm) as printed, full log)."""
     config = args_file.read_text().split() if args_file else TINY
+    choice = ["--moe-token-dispatcher-type", "alltoall"] if backend == STOCK else ["--moe-backend", backend]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "megatron_mok.pretrain_gpt", *config, "--moe-backend", backend, *extra]
+           "-m", "megatron_mok.pretrain_gpt", *config, *choice, *extra]
     proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
     if check and proc.returncode != 0:
@@ -69,28 +74,39 @@ def test_mok_training_is_bitwise_repeatable(tmp_path):
     runs = []
     for name in ("a", "b"):
         ckpt = tmp_path / name
-        iters, _ = train("mok", "--train-iters", "5", "--save", str(ckpt), "--save-interval", "5", cwd=tmp_path)
-        runs.append((iters, _params_from_checkpoint(ckpt, 5, tmp_path / f"{name}.pt")))
-    (iters_a, params_a), (iters_b, params_b) = runs
+        iters, log = train("mok", "--train-iters", "5", "--save", str(ckpt), "--save-interval", "5",
+                           "--mok-param-digest-every", "2", cwd=tmp_path)
+        digests = sorted(re.findall(r"\[megatron_mok\] param-digest rank=(\d+) iteration=(\d+) value=([0-9a-f]{16})", log))
+        runs.append((iters, _params_from_checkpoint(ckpt, 5, tmp_path / f"{name}.pt"), digests))
+    (iters_a, params_a, digests_a), (iters_b, params_b, digests_b) = runs
     assert iters_a == iters_b and len(iters_a) == 5
+    # --mok-param-digest-every 2: both ranks print digests (every 2 iterations and the last), the same in both runs
+    assert digests_a == digests_b and {d[0] for d in digests_a} == {"0", "1"} and len(digests_a) >= 4, digests_a
     assert params_a.keys() == params_b.keys() and len(params_a) > 10
     for key in params_a:
         assert torch.equal(params_a[key], params_b[key]), key
 
 
-@pytest.mark.parametrize("first,second", [("alltoall", "mok"), ("mok", "alltoall")])
-def test_checkpoint_moves_between_backends(tmp_path, first, second):
+@pytest.mark.parametrize("first,others", [("alltoall", ("mok",)), ("mok", ("alltoall", STOCK))])
+def test_checkpoint_moves_between_backends(tmp_path, first, others):
+    """A checkpoint loads into the other backends under Megatron's default --dist-ckpt-strictness
+    (none is passed), with the same next-step loss: alltoall -> mok, and mok -> alltoall's grouped
+    experts and -> stock Megatron's SequentialMLP (no --moe-backend)."""
     ckpt = tmp_path / "ckpt"
     # The schedule is planned for 4 iterations; the first run stops after saving iteration 3.
     train(first, "--train-iters", "4", "--exit-interval", "3", "--save", str(ckpt), "--save-interval", "3",
           cwd=tmp_path)
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     same, log_same = train(first, "--train-iters", "4", "--load", str(ckpt), cwd=tmp_path)
-    other, log_other = train(second, "--train-iters", "4", "--load", str(ckpt), cwd=tmp_path)
-    assert list(same) == [4] and list(other) == [4], (log_same[-2000:], log_other[-2000:])
-    loss_same, loss_other = float(same[4][0]), float(other[4][0])
-    # Same weights, same batch: the next-step loss agrees to fp32 rounding of the two backends.
-    assert loss_other == pytest.approx(loss_same, rel=1e-5), (loss_same, loss_other)
+    assert list(same) == [4], log_same[-2000:]
+    loss_same = float(same[4][0])
+    for second in others:
+        other, log_other = train(second, "--train-iters", "4", "--load", str(ckpt), cwd=tmp_path)
+        assert list(other) == [4], (second, log_other[-3000:])
+        if second == STOCK:
+            assert "--moe-backend mok" not in log_other  # Megatron's own layer, not mok's
+        # Same weights, same batch: the next-step loss agrees to fp32 rounding of the two backends.
+        assert float(other[4][0]) == pytest.approx(loss_same, rel=1e-5), (first, second, loss_same, other[4])
 
 
 def _run_entry(*args, cwd, module="megatron_mok.pretrain_gpt"):
@@ -121,6 +137,12 @@ def test_bad_mok_knob_names_the_flag(tmp_path):
     proc = _run_entry(*TINY, "--moe-backend", "mok", "--mok-minibatch-rows", "100", cwd=tmp_path)
     assert proc.returncode != 0
     assert "--mok-minibatch-rows" in proc.stderr and "multiple of 128" in proc.stderr
+
+
+def test_mok_flags_are_validated_with_another_backend(tmp_path):
+    proc = _run_entry(*TINY, "--moe-backend", "alltoall", "--mok-fwd-comm-sms", "0", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "--mok-fwd-comm-sms" in proc.stderr and "[1, 64]" in proc.stderr, proc.stderr[-3000:]
 
 
 USER_SCRIPT = '''

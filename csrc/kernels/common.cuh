@@ -12,7 +12,8 @@
 #include <mutex>
 #include <vector>
 
-#include "launch.h"
+#include "api.h"
+#include "tuning.h"
 
 namespace mok {
 
@@ -191,24 +192,19 @@ __device__ __forceinline__ void warp_copy_row(uint4* __restrict__ dst, const uin
 
 // Push each routed row into slot row_src_slot of its source rank's [T * k, H] buffer (one warp per
 // row, grid-strided; padding rows skipped). Slots are unique, so plain stores: no atomics.
-// row_map (optional, the backward's tight layout): rows[r] belongs to padded row row_map[r] (< 0:
-// padding, skipped); expert_offsets are then the tight offsets.
 __device__ __forceinline__ void push_rows_to_source_slots(const __nv_bfloat16* __restrict__ rows,
                                                           const int* __restrict__ row_src_rank,
                                                           const int* __restrict__ row_src_slot,
                                                           const int* __restrict__ expert_offsets, int nle,
-                                                          int capacity, const PeerPtrs& slot_bufs, int H,
-                                                          const int* __restrict__ row_map = nullptr) {
+                                                          int capacity, const PeerPtrs& slot_bufs, int H) {
   const int total = min(expert_offsets[nle], capacity);
   const int lane = threadIdx.x % 32;
   const int warps = gridDim.x * (blockDim.x / 32);
   const int n16 = H / 8;
   for (int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; row < total; row += warps) {
-    const int p = row_map ? row_map[row] : row;
-    if (p < 0) continue;
-    const int dst_rank = row_src_rank[p];
+    const int dst_rank = row_src_rank[row];
     if (dst_rank < 0) continue;
-    const int64_t slot = row_src_slot[p];
+    const int64_t slot = row_src_slot[row];
     uint4* dst = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(slot_bufs.p[dst_rank]) + slot * H);
     warp_copy_row(dst, reinterpret_cast<const uint4*>(rows + static_cast<int64_t>(row) * H), n16, lane);
   }
@@ -246,23 +242,25 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 }
 
 // One poll of the mbarrier's phase. kClusterAcquire: acquire at cluster scope (the phase was
-// completed by another CTA's cluster-scope release: the megakernel's task mailbox).
-#define MOK_TRY_WAIT(SEM)                                                                              \
-  asm volatile("{\n.reg .pred P1;\nmbarrier.try_wait.parity" SEM                                       \
-               ".shared::cta.b64 P1, [%1], %2;\nselp.b32 %0, 1, 0, P1;\n}\n"                          \
-               : "=r"(ok)                                                                              \
-               : "r"(smem_u32(bar)), "r"(parity)                                                       \
-               : "memory")
+// completed by another CTA's cluster-scope release: the paired staged GEMMs' task mailbox).
 template <bool kClusterAcquire = false>
 __device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
   uint32_t ok;
   if constexpr (kClusterAcquire)
-    MOK_TRY_WAIT(".acquire.cluster");
+    asm volatile(
+        "{\n.reg .pred P1;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [%1], %2;\n"
+        "selp.b32 %0, 1, 0, P1;\n}\n"
+        : "=r"(ok)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
   else
-    MOK_TRY_WAIT("");
+    asm volatile(
+        "{\n.reg .pred P1;\nmbarrier.try_wait.parity.shared::cta.b64 P1, [%1], %2;\nselp.b32 %0, 1, 0, P1;\n}\n"
+        : "=r"(ok)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
   return ok != 0;
 }
-#undef MOK_TRY_WAIT
 
 // mbar_wait with a watchdog; false: gave up (the phase did not complete).
 template <bool kClusterAcquire = false>
@@ -364,20 +362,22 @@ __device__ __forceinline__ void cluster_sync() {
 // semantics (CTA-scope release) suffice to free a ring stage, whose reads (wgmma) completed before;
 // a cluster-scope release costs a GPU-scope fence (MEMBAR.ALL.GPU) per arrival. kClusterRelease:
 // the receiver (acquire.cluster) also sees this thread's earlier shared::cluster stores (the
-// megakernel's task mailbox).
-#define MOK_ARRIVE_REMOTE(SEM)                                                               \
-  asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\nmbarrier.arrive" SEM \
-               ".shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_u32(bar)),                \
-               "r"(cta)                                                                      \
-               : "memory")
+// paired staged GEMMs' task mailbox).
 template <bool kClusterRelease = false>
 __device__ __forceinline__ void mbar_arrive_remote(uint64_t* bar, uint32_t cta) {
   if constexpr (kClusterRelease)
-    MOK_ARRIVE_REMOTE(".release.cluster");
+    asm volatile(
+        "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_u32(bar)),
+        "r"(cta)
+        : "memory");
   else
-    MOK_ARRIVE_REMOTE("");
+    asm volatile(
+        "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+        "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_u32(bar)),
+        "r"(cta)
+        : "memory");
 }
-#undef MOK_ARRIVE_REMOTE
 
 // Store v at the same shared-memory offset as `p` in CTA `cta` of the cluster.
 __device__ __forceinline__ void st_shared_cluster(volatile int* p, uint32_t cta, int v) {
@@ -611,9 +611,9 @@ inline cudaLaunchConfig_t launch_config(int threads, int smem_bytes, cudaStream_
 // How many of kernel's CTAs (unpaired) or 2-CTA clusters (paired) fit on the current device at once,
 // its shared-memory limit raised to cfg's there first; 0: the limit could not be raised. Both are
 // per device (one process may drive several GPUs), so the figure is cached per (kernel, device):
-// the occupancy query costs host time at every launch. MOK_VERBOSE prints the figure.
+// the occupancy query costs host time at every launch.
 template <typename Kernel>
-int units_at_once(Kernel kernel, const cudaLaunchConfig_t& cfg, bool paired, const char* name) {
+int units_at_once(Kernel kernel, const cudaLaunchConfig_t& cfg, bool paired) {
   struct Entry {
     const void* kernel;
     int device, smem, units;
@@ -638,9 +638,6 @@ int units_at_once(Kernel kernel, const cudaLaunchConfig_t& cfg, bool paired, con
     if (cudaOccupancyMaxActiveClusters(&n, kernel, &probe) == cudaSuccess && n > 0) units = n;
     cudaGetLastError();
   }
-  if (getenv("MOK_VERBOSE") != nullptr)
-    fprintf(stderr, "%s: paired=%d, %d %s fit at once on device %d\n", name, paired, units,
-            paired ? "clusters" : "CTAs", dev);
   std::lock_guard<std::mutex> lock(mu);
   cache.push_back(Entry{key, dev, static_cast<int>(cfg.dynamicSmemBytes), units});
   return units;

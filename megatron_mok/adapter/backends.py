@@ -18,8 +18,9 @@ import argparse
 import dataclasses
 import functools
 import importlib
+import warnings
 
-from ..config import MoKConfig, MoKConfigError
+from ..config import FORWARD_KERNELS, MoKConfig, MoKConfigError
 
 BACKENDS = ("mok", "alltoall", "allgather", "hybridep", "deepep")
 
@@ -49,21 +50,27 @@ def add_mok_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="MoE dispatch + experts implementation: mok (fused, deterministic), or Megatron's "
              "alltoall / allgather dispatchers, or flex with hybridep / deepep (needs deep_ep).",
     )
-    group.add_argument("--mok-fwd-comm-sms", type=int, default=defaults.fwd_comm_sms,
-                       help="SMs the forward kernel gives to token movement")
-    group.add_argument("--mok-bwd-comm-sms", type=int, default=defaults.bwd_comm_sms,
-                       help="SMs (4 CTAs each) of the staged backward's pull, push and row-gather "
-                            "kernels; with MOK_BWD_KERNEL=mega, the CTAs that pull before they compute")
-    group.add_argument("--mok-minibatch-rows", type=int, default=defaults.minibatch_rows,
-                       help="routed rows per communication/compute overlap step")
-    group.add_argument("--mok-capacity-factor", type=float, default=defaults.capacity_factor,
-                       help="fraction of the worst case the routed buffer holds (1.0 never overflows)")
-    group.add_argument("--mok-peer-timeout-s", type=float, default=defaults.peer_timeout_s,
-                       help="seconds a device-side wait on a peer may take before it errors")
-    group.add_argument("--mok-precision", choices=("bf16", "fp8"), default=defaults.precision,
+    # The layer knobs default to None so that a flag given with another backend can be told apart
+    # from its default (it is validated anyway, and warned about once: it has no effect there).
+    group.add_argument("--mok-fwd-comm-sms", type=int, default=None,
+                       help=f"SMs the forward kernel gives to token movement (default {defaults.fwd_comm_sms})")
+    group.add_argument("--mok-bwd-comm-sms", type=int, default=None,
+                       help="SMs (4 CTAs each) of the backward's pull, push and row-gather kernels "
+                            f"(default {defaults.bwd_comm_sms})")
+    group.add_argument("--mok-minibatch-rows", type=int, default=None,
+                       help=f"routed rows per communication/compute overlap step (default {defaults.minibatch_rows})")
+    group.add_argument("--mok-capacity-factor", type=float, default=None,
+                       help="fraction of the worst case the routed buffer holds (1.0, the default, never overflows)")
+    group.add_argument("--mok-peer-timeout-s", type=float, default=None,
+                       help="seconds a wait on a peer rank may take before it raises MoKPeerTimeoutError naming "
+                            f"that rank (default {defaults.peer_timeout_s:g})")
+    group.add_argument("--mok-precision", choices=("bf16", "fp8"), default=None,
                        help="fp8: the routed experts' forward GEMMs, backward dgrads and weight gradients "
                             "and the shared expert's forward GEMMs on block-scaled e4m3 operands (weights "
-                            "quantized once per optimizer step); the rest of the layer bf16")
+                            "quantized once per optimizer step); the rest of the layer bf16 (default bf16)")
+    group.add_argument("--mok-forward-kernel", choices=FORWARD_KERNELS, default=None,
+                       help="persistent: the forward as one persistent megakernel (bf16 only); staged: one "
+                            "launch per stage; auto (default): persistent for bf16, staged for fp8. Same bits")
     group.add_argument("--mok-bf16-dgrad", action="store_true",
                        help="with --mok-precision fp8: keep the backward's routed dgrads in bf16")
     group.add_argument("--mok-bf16-wgrad", action="store_true",
@@ -73,6 +80,13 @@ def add_mok_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--mok-recompute-gate-up", action="store_true",
                        help="do not keep the gate/up GEMM outputs for the backward; recompute them "
                             "(less activation memory, one GEMM more, same bits)")
+    group.add_argument("--mok-strict", action="store_true",
+                       help="raise instead of warning once when a layer call would run the slow pure-PyTorch "
+                            "reference on CUDA (fp16/fp32 activations, sizes the kernels do not take)")
+    group.add_argument("--mok-param-digest-every", type=int, default=0, metavar="N",
+                       help="megatron_mok.pretrain_gpt: every N iterations (and at the last) each rank prints a "
+                            "digest of its parameters' bits, to check that two runs train bitwise alike (syncs "
+                            "the host; 0, the default: off). Works with every --moe-backend")
     return parser
 
 
@@ -83,13 +97,30 @@ _ARG_TO_FIELD = {
     "mok_capacity_factor": "capacity_factor",
     "mok_peer_timeout_s": "peer_timeout_s",
     "mok_precision": "precision",
+    "mok_forward_kernel": "forward_kernel",
 }
+# Switches of the mok layer (store_true flags) and the MoKConfig field each one sets.
+_SWITCHES = ("mok_bf16_dgrad", "mok_bf16_wgrad", "mok_bf16_shared", "mok_recompute_gate_up", "mok_strict")
+
+
+def _flag(arg: str) -> str:
+    return f"--{arg.replace('_', '-')}"
+
+
+def given_layer_flags(args) -> list[str]:
+    """The --mok-* layer flags the command line set (entry-point flags such as
+    --mok-param-digest-every, which work with every backend, are not layer flags)."""
+    given = [_flag(a) for a in _ARG_TO_FIELD if getattr(args, a, None) is not None]
+    return given + [_flag(a) for a in _SWITCHES if getattr(args, a, False)]
 
 
 def mok_config_from_args(args) -> MoKConfig:
-    values = {field: getattr(args, arg) for arg, field in _ARG_TO_FIELD.items() if hasattr(args, arg)}
+    """The MoKConfig of the --mok-* flags; an invalid value raises MoKConfigError naming the flag."""
+    values = {field: getattr(args, arg) for arg, field in _ARG_TO_FIELD.items() if getattr(args, arg, None) is not None}
     if getattr(args, "mok_recompute_gate_up", False):
         values["save_gate_up"] = False
+    if getattr(args, "mok_strict", False):
+        values["strict"] = True
     for flag, field, what in (("dgrad", "fp8_dgrad", "the dgrads are"), ("wgrad", "fp8_wgrad", "the weight gradients are"),
                               ("shared", "fp8_shared", "the shared expert is")):
         if getattr(args, f"mok_bf16_{flag}", False):
@@ -97,15 +128,36 @@ def mok_config_from_args(args) -> MoKConfig:
                 raise MoKConfigError(f"--mok-bf16-{flag}: {what} bf16 already; it only applies with "
                                      "--mok-precision fp8")
             values[field] = False
-    if getattr(args, "fp8", None):
-        raise MoKConfigError(f"--fp8-format {args.fp8}: Megatron's fp8 recipe (TransformerEngine) does not "
-                             "cover --moe-backend mok's experts; use --mok-precision fp8 for mok's block-scaled "
-                             "e4m3 expert GEMMs, or choose --moe-backend alltoall")
     try:
         return MoKConfig(**values)
     except MoKConfigError as err:
-        flag = next((f"--{a.replace('_', '-')}" for a, f in _ARG_TO_FIELD.items() if f"MoKConfig.{f} " in str(err)), None)
+        flag = next((_flag(a) for a, f in _ARG_TO_FIELD.items() if f"MoKConfig.{f}" in str(err)), None)
         raise MoKConfigError(f"{flag}: {err}" if flag else str(err)) from None
+
+
+_WARNED_UNUSED = False
+
+
+def check_mok_args(args) -> MoKConfig:
+    """Validate the --mok-* flags whatever --moe-backend is (an invalid value raises, naming the
+    flag). With another backend (or none) the layer flags have no effect: one warning lists them.
+
+    A warning, not an error: one argument file serves every backend (configs/*.args carry
+    --mok-capacity-factor, and scripts/compare_backends.py runs each backend from the same file), as
+    Megatron's own configs carry settings of features a run does not use."""
+    global _WARNED_UNUSED
+    cfg = mok_config_from_args(args)
+    every = getattr(args, "mok_param_digest_every", 0)
+    if every is None or isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise MoKConfigError(f"--mok-param-digest-every must be an int >= 0, got {every!r}")
+    backend = getattr(args, "moe_backend", None)
+    given = given_layer_flags(args)
+    if backend != "mok" and given and not _WARNED_UNUSED:
+        _WARNED_UNUSED = True
+        now = f"--moe-backend {backend}" if backend else "no --moe-backend"
+        warnings.warn(f"megatron_mok: {', '.join(given)} only apply to --moe-backend mok; with {now} they have no "
+                      "effect (their values are valid)", UserWarning, stacklevel=2)
+    return cfg
 
 
 def _require_deep_ep(symbol: str, backend: str) -> None:
@@ -126,6 +178,7 @@ def _require_deep_ep(symbol: str, backend: str) -> None:
 def apply_backend(args) -> None:
     """Map ``args.moe_backend`` onto Megatron's own fields (call before ``validate_args``)."""
     backend = getattr(args, "moe_backend", None)
+    cfg = check_mok_args(args)  # whatever the backend
     set_backend(backend)
     if backend is None:
         return
@@ -134,7 +187,10 @@ def apply_backend(args) -> None:
     if backend == "mok":
         from .layer import set_mok_config
 
-        cfg = mok_config_from_args(args)
+        if getattr(args, "fp8", None):
+            raise MoKConfigError(f"--fp8-format {args.fp8}: Megatron's fp8 recipe (TransformerEngine) does not "
+                                 "cover --moe-backend mok's experts; use --mok-precision fp8 for mok's block-scaled "
+                                 "e4m3 expert GEMMs, or choose --moe-backend alltoall")
         set_mok_config(cfg)
         if cfg.precision == "fp8":
             from .. import fp8

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 
@@ -149,6 +150,17 @@ class GroupedMLP(MegatronModule):
                 merge_fn=functools.partial(_merge_expert_shards, glu=glu),
                 replica_id=replica_id,
             )
+            # SequentialMLP's local linears also write one (empty) extra state per expert, and stock
+            # Megatron loads them under the default --dist-ckpt-strictness: write them too, so a mok
+            # checkpoint loads into SequentialMLP (and a stock one into this class).
+            out[f"{prefix}{name}._extra_state"] = ShardedTensorFactory(
+                key=f"{prefix}experts.{name}._extra_state",
+                data=None,
+                build_fn=functools.partial(_build_extra_states, sharded_offsets=sharded_offsets, first=first,
+                                           num_local=self.num_local_experts, num_global=num_global),
+                merge_fn=_merge_extra_states,
+                replica_id=replica_id,
+            )
         return out
 
 
@@ -171,6 +183,17 @@ def _build_expert_shards(key, t, replica_id, flattened_range, *, sharded_offsets
                 key, piece, *offsets, frag, replica_id=replica_id, prepend_axis_num=len(offsets)
             ))
     return shards
+
+
+def _build_extra_states(key, data, replica_id, flattened_range, *, sharded_offsets, first, num_local, num_global):
+    """One empty ShardedObject per expert, as SequentialMLP's experts write (``_extra_state``)."""
+    return [make_sharded_object_for_checkpoint(
+        None, key, (*sharded_offsets, (len(sharded_offsets), first + i, num_global)), replica_id)
+        for i in range(num_local)]
+
+
+def _merge_extra_states(pieces):
+    return None  # the stacked weights keep no extra state
 
 
 def _merge_expert_shards(pieces, *, glu):

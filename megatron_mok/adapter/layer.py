@@ -13,6 +13,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.utils import get_pg_size
 
+from .. import functional
 from ..autograd import mok_moe
 from ..config import MoKConfig
 from .experts import GroupedMLP
@@ -52,6 +53,7 @@ class MoKMoELayer(MoELayer):
         if not isinstance(self.experts, GroupedMLP):
             raise TypeError(f"--moe-backend mok needs megatron_mok GroupedMLP experts, got {type(self.experts).__name__}")
         self.ep_group = pg_collection.ep if pg_collection is not None else self.ep_group
+        _report_slow_path(config, get_pg_size(self.ep_group), self._fusable_shared_weights() is not None)
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             where = "MTP layer" if is_mtp_layer else "decoder layer"
             print(f"[megatron_mok] MoE {where}: --moe-backend mok, {self.num_local_experts} local experts "
@@ -109,6 +111,16 @@ def _main_grads(config, params):
         return None
     grads = tuple(None if p is None else getattr(p, "main_grad", None) for p in params)
     return grads if any(g is not None for g in grads) else None
+
+
+def _report_slow_path(config, ep_size: int, fused_shared: bool) -> None:
+    """At build time: warn once (raise with --mok-strict) when this layer's calls would run the slow
+    pure-PyTorch reference on the GPU (activations not bf16, sizes the kernels do not take)."""
+    shared = config.moe_shared_expert_intermediate_size if fused_shared else None
+    reason = functional.layer_slow_path_reason(config.params_dtype, config.hidden_size, config.moe_ffn_hidden_size,
+                                               shared, config.num_moe_experts, ep_size, config.moe_router_topk)
+    hint = " (Megatron: --bf16)" if config.params_dtype != torch.bfloat16 else ""
+    functional.report_slow_path(_MOK_CONFIG, reason, "--moe-backend mok", hint)
 
 
 def _check_config(config) -> None:

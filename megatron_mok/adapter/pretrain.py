@@ -9,7 +9,6 @@ import time
 
 _PROGRAM_START = time.time()
 
-import os  # noqa: E402
 import sys  # noqa: E402
 from functools import partial  # noqa: E402
 
@@ -81,10 +80,9 @@ def _get_batch(data_iterator, vp_stage=None):
     return tuple(batch.get(key) for key in _BATCH_KEYS)
 
 
-# MOK_PARAM_DIGEST_EVERY=N: every N iterations (and at the last one) each rank prints a digest of
+# --mok-param-digest-every N: every N iterations (and at the last one) each rank prints a digest of
 # its parameters' bits, so two runs can be checked for bitwise-identical training (it syncs the
-# host, so it is off by default).
-_DIGEST_EVERY = int(os.environ.get("MOK_PARAM_DIGEST_EVERY", "0") or 0)
+# host, so it is off by default). Any --moe-backend.
 _last_digest_iteration = -1
 
 
@@ -107,15 +105,12 @@ def param_digest(module: torch.nn.Module) -> str:
     return f"{int(total) & (2**64 - 1):016x}"
 
 
-def _maybe_print_digest(model) -> None:
+def _maybe_print_digest(model, args, every: int) -> None:
     global _last_digest_iteration
-    from megatron.training import get_args
-
-    args = get_args()
     it = getattr(args, "curr_iteration", None)
     if it is None or it == _last_digest_iteration or not model.training:
         return
-    if it % _DIGEST_EVERY and it != args.train_iters - 1:
+    if it % every and it != args.train_iters - 1:
         return
     _last_digest_iteration = it
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -124,10 +119,12 @@ def _maybe_print_digest(model) -> None:
 
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     from megatron.core.utils import get_attr_wrapped_model
-    from megatron.training import get_timers
+    from megatron.training import get_args, get_timers
 
-    if _DIGEST_EVERY > 0:
-        _maybe_print_digest(model)
+    args = get_args()
+    every = getattr(args, "mok_param_digest_every", 0) or 0
+    if every > 0:
+        _maybe_print_digest(model, args, every)
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
     vp_stage = get_attr_wrapped_model(model, "vp_stage")

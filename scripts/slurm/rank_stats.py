@@ -13,7 +13,7 @@ At exit (normal end, exception or sys.exit) one line goes to stderr::
 
 ``peak_rss_mib`` is this process's max resident set size (getrusage); the CUDA numbers are
 ``torch.cuda.max_memory_allocated/reserved`` of the current device when CUDA was used. The line is
-parsed by megatron_mok.logparse. Set MOK_RANK_STATS=0 in the launchers to bypass this wrapper.
+parsed by megatron_mok.tools.logparse. Set MOK_RANK_STATS=0 in the launchers to bypass this wrapper.
 """
 
 from __future__ import annotations

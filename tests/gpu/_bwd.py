@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 
 import torch
 
 from megatron_mok import MoKConfig
 
-from ._util import bits, eager_before_capture, kernel_path_module, make_case, poison_buffers, rel_err
+from ._util import bits, cuda_path, eager_before_capture, make_case, poison_buffers, rel_err
 
 GRAD_NAMES = ("dx", "dprobs", "dfc1", "dfc2", "dshared_fc1", "dshared_fc2")
 
@@ -100,7 +99,7 @@ def poison_ctx_tail(ctx, sched) -> None:
 
 def forward_backward(cfg, ws, top, w, g):
     """(sched, ctx, grads as a list) of one schedule + forward + backward."""
-    kp = kernel_path_module()
+    kp = cuda_path()
     sched = kp.build_schedule(cfg, ws, top)
     _, ctx = kp.forward(cfg, ws, sched, *w)
     return sched, ctx, grads_list(kp.backward(cfg, ws, sched, ctx, g, *w))
@@ -111,7 +110,7 @@ def check_backward_repeats(cfg, ws, sched, w, g, ref, reps: int, poison, min_emp
     (later runs see NaN-poisoned context tails, and ``poison(ws)`` runs after each); then a backward
     without context gives the same bits. With ``min_empty_experts``, the first run has at least that many
     experts without rows, with exactly zero weight gradients. Returns (first grads, last rel errs)."""
-    kp = kernel_path_module()
+    kp = cuda_path()
     first, errs = None, None
     for rep in range(reps):
         _, ctx = kp.forward(cfg, ws, sched, *w)
@@ -136,28 +135,18 @@ def check_backward_repeats(cfg, ws, sched, w, g, ref, reps: int, poison, min_emp
 
 
 def check_backward_bitwise_repeats(ws, top, w, g, comm_ctas: list, reps: int = 20) -> None:
-    """``reps`` schedule + forward + backward runs, cycling through configs, backward comm CTA counts,
-    the persistent or staged backward (MOK_BWD_KERNEL) and, staged, the shared expert on a side
-    stream or not (MOK_BWD_OVERLAP): all gradients bitwise equal to the first run's."""
-    kp = kernel_path_module()
-    env_before = {name: os.environ.get(name) for name in ("MOK_BWD_OVERLAP", "MOK_BWD_KERNEL")}
-    cfgs = [MoKConfig(), MoKConfig(bwd_comm_sms=1, fwd_comm_sms=2, minibatch_rows=128),
-            MoKConfig(bwd_comm_sms=64, minibatch_rows=256)]
+    """``reps`` schedule + forward + backward runs, cycling through configs (both forward
+    compositions, comm SMs, minibatch rows) and backward comm CTA counts: all gradients bitwise equal
+    to the first run's."""
+    kp = cuda_path()
+    cfgs = [MoKConfig(), MoKConfig(bwd_comm_sms=1, fwd_comm_sms=2, minibatch_rows=128, forward_kernel="persistent"),
+            MoKConfig(bwd_comm_sms=64, minibatch_rows=256, forward_kernel="staged")]
     base = None
     for rep in range(reps):
         c = cfgs[rep % len(cfgs)]
         sched = kp.build_schedule(c, ws, top)
         _, ctx = kp.forward(c, ws, sched, *w)
-        os.environ["MOK_BWD_OVERLAP"] = "10"[(rep // len(cfgs)) % 2]
-        os.environ["MOK_BWD_KERNEL"] = ("mega", "staged")[(rep // (2 * len(cfgs))) % 2]
-        try:
-            got = grads_list(kp.backward(c, ws, sched, ctx, g, *w, comm_ctas=comm_ctas[rep % len(comm_ctas)]))
-        finally:
-            for name, value in env_before.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+        got = grads_list(kp.backward(c, ws, sched, ctx, g, *w, comm_ctas=comm_ctas[rep % len(comm_ctas)]))
         if base is None:
             torch.cuda.synchronize()
             base = clone_all(got)
@@ -169,7 +158,7 @@ def check_backward_bitwise_repeats(ws, top, w, g, comm_ctas: list, reps: int = 2
 def check_main_grads_accumulate(cfg, ws, sched, ctx, w, g, plain, seed: int, dev):
     """A backward with ``main_grads`` adds the fp32 weight gradients into random main grads (returning none)
     and gives the dx / dprobs bits of the plain backward ``plain``. Returns (main grads, their values before)."""
-    kp = kernel_path_module()
+    kp = cuda_path()
     gen = torch.Generator().manual_seed(seed)
     before = [torch.randn(t.shape, generator=gen).to(dev) for t in w[2:]]
     main = [b.clone() for b in before]
@@ -185,7 +174,7 @@ def check_main_grads_accumulate(cfg, ws, sched, ctx, w, g, plain, seed: int, dev
 def check_backward_graph_equals_eager(cfg, ws, top, w, g, before_replay, before_capture=None) -> None:
     """Eager schedule + forward + backward on a side stream, then the same captured in a CUDA graph: 3 replays,
     each after ``before_replay(graph outputs)``, give the eager bits."""
-    kp = kernel_path_module()
+    kp = cuda_path()
 
     def eager_run():
         sched = kp.build_schedule(cfg, ws, top)

@@ -42,10 +42,10 @@ def two_gpu_marks() -> list:
     ]
 
 
-def kernel_path_module():
-    from megatron_mok import kernel_path
+def cuda_path():
+    from megatron_mok import cuda
 
-    return kernel_path
+    return cuda
 
 
 SHAPES = [  # T, H, I, Is, E, k
@@ -143,7 +143,9 @@ def gemm_bits_over_cta_counts(run, rows: int, N: int, swiglu: bool, cta_counts, 
 
 def poison_buffers(ws, dtypes) -> None:
     """NaN-fill the kernel path's symmetric buffers of the given dtypes."""
-    c = kernel_path_module()._COMMS.get(ws)
+    from megatron_mok.cuda.comm import _COMMS
+
+    c = _COMMS.get(ws)
     if c is None:
         return
     for (_name, _shape, dtype), (buf, _ptrs) in c.buffers.items():
@@ -168,7 +170,7 @@ def schedules_equal(a, b) -> list[str]:
 def check_forward_bitwise_repeats(shape, cfgs, seed: int, dev, world: int = 1, reps: int = 20) -> None:
     """``reps`` forwards per config of ``cfgs`` (own workspace each), with varying CTA knobs: all bitwise
     equal to the first output."""
-    kp = kernel_path_module()
+    kp = cuda_path()
     T, H, I, Is, E, k = shape
     gen = torch.Generator().manual_seed(seed)
     inputs = make_inputs(T, H, I, Is, E // world, k, gen, dev)
@@ -202,7 +204,7 @@ def eager_before_capture(fn, before_capture=None):
 def check_forward_graph_equals_eager(cfg, ws, top, inputs, before_capture=None):
     """Eager forward on a side stream (creates the buffers), then schedule + forward captured in a CUDA
     graph: 3 replays on NaN-filled outputs equal the eager output. Returns (graph, its output)."""
-    kp = kernel_path_module()
+    kp = cuda_path()
     eager = eager_before_capture(lambda: kp.forward(cfg, ws, kp.build_schedule(cfg, ws, top), *inputs)[0].clone(),
                                  before_capture)
     graph = torch.cuda.CUDAGraph()

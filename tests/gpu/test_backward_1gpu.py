@@ -1,5 +1,5 @@
-"""Single-GPU (EP=1) tests of the CUDA backward (kernel_path.backward) against the fp32 reference,
-plus its pieces (SwiGLU backward, the tight row layout and its gather, exact zeros of empty
+"""Single-GPU (EP=1) tests of the CUDA backward (megatron_mok.cuda.backward) against the fp32
+reference, plus its GEMMs (dgrad with the SwiGLU backward fused, wgrad with exact zeros for empty
 experts) and the KERNEL_STALL error code."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from megatron_mok import MoKConfig, create_workspace
 from megatron_mok.schedule import build_schedule_reference
 
 from ._bwd import (assert_bitwise, backward_case, check_backward_bitwise_repeats, check_backward_graph_equals_eager,
-                   check_backward_repeats, check_close, check_main_grads_accumulate, clone_all, forward_backward,
+                   check_backward_repeats, check_close, check_main_grads_accumulate, forward_backward,
                    grads_list, poison_all, reference_grads)
-from ._util import SHAPES, bits, gpu_marks, make_routing, rel_err, schedules_equal
-from ._util import kernel_path_module as _kp
+from ._util import SHAPES, bits, gpu_marks, rel_err, schedules_equal
+from ._util import cuda_path as _kp
 
 pytestmark = gpu_marks()
 
@@ -28,98 +28,9 @@ def _case(shape, kind, seed):
 # ---- pieces ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("rows,I,limit", [(300, 64, None), (384, 136, 256), (128, 8, 0)])
-def test_swiglu_backward_matches_torch(rows, I, limit):
-    from megatron_mok import ops
-
-    gen = torch.Generator().manual_seed(rows + I)
-    h = (3 * torch.randn(rows, 2 * I, generator=gen)).bfloat16().to(DEV)
-    da = torch.randn(rows, I, generator=gen).bfloat16().to(DEV)
-    dh = torch.full((rows, 2 * I), float("nan"), dtype=torch.bfloat16, device=DEV)
-    seg = None if limit is None else torch.tensor([0, limit], dtype=torch.int32, device=DEV)
-    ops.swiglu_backward(h, da, dh, seg)
-    n = rows if limit is None else limit
-    hf = h.float()[:n].requires_grad_(True)
-    gate, up = hf.chunk(2, dim=1)
-    (torch.nn.functional.silu(gate) * up).backward(da.float()[:n])
-    assert rel_err(dh[:n], hf.grad) < 1e-2
-    assert torch.isnan(dh[n:].float()).all(), "rows past the limit were written"
-    dh2 = torch.full_like(dh, float("nan"))
-    ops.swiglu_backward(h, da, dh2, seg)
-    assert torch.equal(dh.view(torch.int16), dh2.view(torch.int16))
-
-
-def _tight_map_torch(counts, offsets, align):
-    rows = torch.minimum(counts, offsets[1:] - offsets[:-1]).clamp(min=0)
-    toffs = torch.zeros(counts.numel() + 1, dtype=torch.int32)
-    toffs[1:] = torch.cumsum((rows + align - 1) // align * align, 0)
-    return rows, toffs
-
-
-@pytest.mark.parametrize("kind", ["random", "skewed", "one_expert", "half_empty", "all_empty_but_last"])
-def test_bwd_tight_map_and_gather_rows(kind):
-    """toffs / trow of the tight layout against a torch computation; gather_rows puts every real row
-    at its tight place and zeros in the tight padding rows, leaves rows past toffs[-1] untouched."""
-    from megatron_mok import ops
-
-    T, H, k, E = 517, 264, 8, 32
-    cfg = MoKConfig()
-    ws = create_workspace(None, DEV, T, H, k, E, cfg)
-    gen = torch.Generator().manual_seed(len(kind))
-    if kind == "all_empty_but_last":  # every token routes to the last k experts
-        top = (E - k + torch.rand(T, k, generator=gen).argsort(dim=1)).to(DEV)
-    else:
-        top = make_routing(kind, T, k, E, gen).to(DEV)
-    sched = _kp().build_schedule(cfg, ws, top)
-    cap, nle = sched.capacity, sched.expert_counts.numel()
-    toffs = torch.full((nle + 1,), -7, dtype=torch.int32, device=DEV)
-    trow = torch.full((cap,), -7, dtype=torch.int32, device=DEV)
-    ops.bwd_tight_map(sched.expert_counts, sched.expert_offsets, toffs, trow)
-    counts, offsets = sched.expert_counts.cpu(), sched.expert_offsets.cpu()
-    rows, want = _tight_map_torch(counts, offsets, ops.TIGHT_ALIGN)
-    assert torch.equal(toffs.cpu(), want)
-    want_row = torch.full((cap,), -1, dtype=torch.int32)
-    for e in range(nle):
-        n, t0, p0 = int(rows[e]), int(want[e]), int(offsets[e])
-        want_row[t0:t0 + n] = torch.arange(p0, p0 + n, dtype=torch.int32)
-    assert torch.equal(trow.cpu(), want_row)
-    src = torch.randn(cap, H, device=DEV).bfloat16()
-    dst = torch.full((cap, H), float("nan"), dtype=torch.bfloat16, device=DEV)
-    ops.gather_rows(src, dst, trow, toffs)
-    end = int(want[-1])
-    idx = want_row[:end].long()
-    ref = src.cpu()[idx.clamp(min=0)]
-    ref[idx < 0] = 0
-    assert torch.equal(dst[:end].cpu(), ref)
-    assert torch.isnan(dst[end:].float()).all(), "rows past toffs[-1] were written"
-    ws.check_errors(blocking=True)
-
-
-def test_swiglu_backward_tight_rows():
-    """With trow, da/dh row r pairs with h row trow[r]; trow < 0 gives zero dh rows."""
-    from megatron_mok import ops
-
-    gen = torch.Generator().manual_seed(5)
-    rows, I = 160, 72
-    h = (3 * torch.randn(rows, 2 * I, generator=gen)).bfloat16().to(DEV)
-    da = torch.randn(rows, I, generator=gen).bfloat16().to(DEV)
-    trow = torch.randperm(rows, generator=gen).to(torch.int32)
-    trow[::7] = -1
-    toffs = torch.tensor([0, 64, 144], dtype=torch.int32, device=DEV)  # 144 tight rows
-    dh = torch.full((rows, 2 * I), float("nan"), dtype=torch.bfloat16, device=DEV)
-    ops.swiglu_backward(h, da, dh, toffs, trow=trow.to(DEV))
-    plain = torch.empty_like(dh)
-    hp = h[trow.clamp(min=0).long().to(DEV)]
-    ops.swiglu_backward(hp.contiguous(), da, plain, None)
-    keep = (trow[:144] >= 0).to(DEV)
-    assert torch.equal(dh[:144][keep].view(torch.int16), plain[:144][keep].view(torch.int16))
-    assert bool((dh[:144][~keep] == 0).all())
-    assert torch.isnan(dh[144:].float()).all()
-
-
 def _dgrad_case(K, M, counts, seed):
-    """dy [cap, K] in a tight layout (segments padded to 16 rows, zero padding rows, 64 rows past the
-    last segment), w [nseg, K, M], offsets / counts on the device."""
+    """dy [cap, K] in segments padded to 16 rows (zero padding rows, 64 rows past the last segment),
+    w [nseg, K, M], offsets / counts on the device."""
     gen = torch.Generator().manual_seed(seed)
     offs = [0]
     for c in counts:
@@ -164,35 +75,33 @@ def test_expert_dgrad_matches_matmul(K, M):
 
 @pytest.mark.parametrize("K,M", [(256, 128), (520, 72)])
 def test_expert_dgrad_fuses_swiglu_backward(K, M):
-    """With h and trow the epilogue writes dh = [d_gate | d_up]: bitwise what the unfused pair
-    (expert_dgrad's da, then swiglu_backward) gives, within 1e-2 of the fp64 autograd reference;
-    tight rows without a forward row (trow < 0) and padding rows are zeros."""
+    """With h the epilogue writes dh = [d_gate | d_up] of da = dy @ w[e]: within 1e-2 of the fp64
+    autograd reference, padding rows +0, rows past the last segment untouched, bits independent of
+    the CTA count."""
     from megatron_mok import ops
 
     dy, w, seg, cnt, offs, gen = _dgrad_case(K, M, DGRAD_COUNTS, K + M)
     cap = dy.shape[0]
     h = (3 * torch.randn(cap, 2 * M, generator=gen)).bfloat16().to(DEV)  # the forward's rows
-    trow = torch.randperm(cap, generator=gen).to(torch.int32)
-    for e, n in enumerate(DGRAD_COUNTS):
-        trow[offs[e] + n: offs[e + 1]] = -1
-    trow[offs[3] + 5] = -1  # a real row without a forward row: zeros, as swiglu_backward writes
-    trow = trow.to(DEV)
-    dh = torch.full((cap, 2 * M), float("nan"), dtype=torch.bfloat16, device=DEV)
-    ops.expert_dgrad(dy, w, seg, cnt, dh, h=h, trow=trow)
-    da = torch.empty((cap, M), dtype=torch.bfloat16, device=DEV)
-    ops.expert_dgrad(dy, w, seg, cnt, da)
-    unfused = torch.full_like(dh, float("nan"))
-    ops.swiglu_backward(h, da, unfused, seg, trow=trow)
-    end = offs[-1]
-    assert torch.equal(bits(dh[:end]), bits(unfused[:end])), "fused SwiGLU backward differs from the unfused pair"
+    first = None
+    for ctas in (0, 1, 5):
+        dh = torch.full((cap, 2 * M), float("nan"), dtype=torch.bfloat16, device=DEV)
+        ops.expert_dgrad(dy, w, seg, cnt, dh, h=h, num_ctas=ctas)
+        if first is None:
+            first = dh
+        else:
+            assert torch.equal(bits(dh), bits(first)), f"bits depend on the CTA count ({ctas})"
+    dh, end = first, offs[-1]
     assert torch.isnan(dh[end:].float()).all(), "rows past the last segment were written"
-    keep = trow[:end] >= 0
-    hf = h[trow[:end].clamp(min=0).long()].double().requires_grad_(True)
+    real = torch.zeros(end, dtype=torch.bool, device=DEV)
+    for e, n in enumerate(DGRAD_COUNTS):
+        real[offs[e]:offs[e] + n] = True
+    hf = h[:end].double().requires_grad_(True)
     gate, up = hf.chunk(2, dim=1)
     da_ref = torch.cat([dy[offs[e]:offs[e + 1]].double() @ w[e].double() for e in range(len(DGRAD_COUNTS))])
     (torch.nn.functional.silu(gate) * up).backward(da_ref)
-    assert rel_err(dh[:end][keep], hf.grad[keep]) < 1e-2
-    assert bool((dh[:end][~keep] == 0).all())
+    assert rel_err(dh[:end][real], hf.grad[real]) < 1e-2
+    assert bool((dh[:end][~real] == 0).all()), "padding rows are not +0"
 
 
 def test_expert_dgrad_rejects_bad_shapes():
@@ -208,20 +117,14 @@ def test_expert_dgrad_rejects_bad_shapes():
         ops.expert_dgrad(dy, w, seg, cnt, out, h=torch.empty((dy.shape[0], 64), dtype=torch.bfloat16, device=DEV))
     with pytest.raises(RuntimeError, match="seg_offsets"):
         ops.expert_dgrad(dy, w, seg[:2], cnt, out)
-    h = torch.zeros((dy.shape[0], 64), dtype=torch.bfloat16, device=DEV)
-    dh = torch.empty((dy.shape[0], 64), dtype=torch.bfloat16, device=DEV)
-    trow = torch.zeros((dy.shape[0] - 1,), dtype=torch.int32, device=DEV)
-    with pytest.raises(RuntimeError, match=f"trow must have {dy.shape[0]} entries"):
-        ops.expert_dgrad(dy, w, seg, cnt, dh, h=h, trow=trow)
 
 
 @pytest.mark.parametrize("M,N", [(128, 256), (200, 264), (72, 520)])
-def test_expert_wgrad_matches_matmul(M, N, monkeypatch):
-    """out[e] = a[rows of e]^T @ b[rows of e] with a in a tight layout (16-row segments) and b in a
+def test_expert_wgrad_matches_matmul(M, N):
+    """out[e] = a[rows of e]^T @ b[rows of e] with a in 16-row segments and b in a
     padded one (128-row segments): experts with 0, 1, 15, 17, 255-257 and 700 rows, M and N off the
     tile; against fp64, empty experts exactly zero, NaN rows past an expert's 16-row bound never
-    read (a's tail past the last segment, b's padding), bits independent of the CTA count and of
-    the epilogue (TMA stores or not: MOK_WGRAD_TMA_STORE)."""
+    read (a's tail past the last segment, b's padding), bits independent of the CTA count."""
     from megatron_mok import ops
 
     counts = [130, 0, 1, 15, 17, 255, 256, 257, 700, 48, 0]
@@ -242,14 +145,13 @@ def test_expert_wgrad_matches_matmul(M, N, monkeypatch):
     bo = torch.tensor(boffs, dtype=torch.int32, device=DEV)
     cnt = torch.tensor(counts, dtype=torch.int32, device=DEV)
     first = None
-    for tma, ctas in (("1", 0), ("1", 1), ("1", 5), ("1", 77), ("0", 0), ("0", 5)):
-        monkeypatch.setenv("MOK_WGRAD_TMA_STORE", tma)
+    for ctas in (0, 1, 5, 77):
         out = torch.full((len(counts), M, N), float("nan"), dtype=torch.bfloat16, device=DEV)
         ops.expert_wgrad(a, ao, b, bo, cnt, out, num_ctas=ctas)
         if first is None:
             first = out
         else:
-            assert torch.equal(bits(out), bits(first)), f"bits depend on the CTA count ({ctas}) or epilogue ({tma})"
+            assert torch.equal(bits(out), bits(first)), f"bits depend on the CTA count ({ctas})"
     for e, c in enumerate(counts):
         if c == 0:
             assert bool((first[e] == 0).all()), f"expert {e} without rows: not exact zeros"
@@ -269,20 +171,6 @@ def test_expert_wgrad_rejects_bad_shapes():
         ops.expert_wgrad(a, offs, b, offs, cnt, torch.empty((2, 48, 64), dtype=torch.bfloat16, device=DEV))
     with pytest.raises(RuntimeError, match="offsets"):
         ops.expert_wgrad(a, offs[:2], b, offs, cnt, torch.empty((2, 64, 48), dtype=torch.bfloat16, device=DEV))
-
-
-def test_zero_empty_segments():
-    from megatron_mok import ops
-
-    t = torch.randn(5, 24, 16, device=DEV).bfloat16()
-    before = t.clone()
-    counts = torch.tensor([3, 0, 1, 0, 7], dtype=torch.int32, device=DEV)
-    ops.zero_empty_segments(t, counts)
-    for e, c in enumerate([3, 0, 1, 0, 7]):
-        if c == 0:
-            assert bool((t[e] == 0).all())
-        else:
-            assert torch.equal(t[e], before[e])
 
 
 def test_kernel_stall_error_code():
@@ -325,18 +213,18 @@ def test_backward_matches_reference(kind, shape):
 @pytest.mark.parametrize("kind", ["skewed", "one_expert"])
 def test_forward_keeps_gate_up_preactivations(kind):
     """ctx.h / ctx.shared_h hold x @ fc1^T of every row below the last segment end (padding rows: +0),
-    with the same bits from the megakernel and the staged GEMMs."""
+    with the same bits from the persistent megakernel and the staged GEMMs."""
     shape = (517, 512, 320, 256, 32, 8)
     cfg, ws, top, w, _ = _case(shape, kind, 31)
     x, _probs, fc1, _fc2, sfc1, _sfc2 = w
     kp = _kp()
     sched = kp.build_schedule(cfg, ws, top)
     kept = {}
-    for path in ("mega", "staged"):
-        _, ctx = kp.forward(cfg, ws, sched, *w, path=path)
-        kept[path] = (ctx.h.clone(), ctx.shared_h.clone(), ctx.x_routed.clone())
+    for kernel in ("persistent", "staged"):
+        _, ctx = kp.forward(cfg.replace(forward_kernel=kernel), ws, sched, *w)
+        kept[kernel] = (ctx.h.clone(), ctx.shared_h.clone(), ctx.x_routed.clone())
     torch.cuda.synchronize()
-    h, sh, xr = kept["mega"]
+    h, sh, xr = kept["persistent"]
     assert torch.equal(h[: int(sched.expert_offsets[-1])].view(torch.int16),
                        kept["staged"][0][: int(sched.expert_offsets[-1])].view(torch.int16))
     assert torch.equal(sh.view(torch.int16), kept["staged"][1].view(torch.int16))
@@ -350,62 +238,13 @@ def test_forward_keeps_gate_up_preactivations(kind):
     ws.check_errors(blocking=True)
 
 
-@pytest.mark.parametrize("kind", ["skewed", "one_expert", "half_empty"])
-def test_backward_gemm_paths_agree(kind, monkeypatch):
-    """The routed backward GEMMs on mok's expert-major kernels (default, padded rows) and on
-    torch._grouped_mm (MOK_BWD_GEMM=torch, tight rows and gathers) give the same gradients up to
-    the GEMMs' summation order; a bad MOK_BWD_GEMM value is named."""
-    shape = (517, 512, 320, 256, 32, 8)
-    cfg, ws, top, w, g = _case(shape, kind, 41)
-    got = {}
-    for impl in ("torch", "mok"):
-        monkeypatch.setenv("MOK_BWD_GEMM", impl)
-        _, _, got[impl] = forward_backward(cfg, ws, top, w, g)
-    torch.cuda.synchronize()
-    check_close(got["mok"], got["torch"], tol=1e-2)
-    monkeypatch.setenv("MOK_BWD_GEMM", "cutlass")
-    with pytest.raises(ValueError, match="MOK_BWD_GEMM"):
-        forward_backward(cfg, ws, top, w, g)
-
-
-@pytest.mark.parametrize("kind", ["random", "skewed", "one_expert", "half_empty"])
-@pytest.mark.parametrize("shape", SHAPES)
-def test_backward_megakernel_equals_staged(kind, shape, monkeypatch):
-    """The persistent backward kernel (MOK_BWD_KERNEL=mega) gives the staged launches' bits (default)
-    for every gradient, across pulling-CTA counts and minibatch sizes; a bad value is named."""
-    cfg, ws, top, w, g = _case(shape, kind, 3 * sum(shape) + len(kind))
-    kp = _kp()
-    sched = kp.build_schedule(cfg, ws, top)
-    _, ctx = kp.forward(cfg, ws, sched, *w)
-    monkeypatch.setenv("MOK_BWD_KERNEL", "staged")
-    staged = clone_all(grads_list(kp.backward(cfg, ws, sched, ctx, g, *w)))
-    monkeypatch.setenv("MOK_BWD_KERNEL", "mega")
-    for knobs in ({}, {"bwd_comm_sms": 1, "minibatch_rows": 128}, {"bwd_comm_sms": 100, "minibatch_rows": 384}):
-        poison_all(ws)
-        got = grads_list(kp.backward(cfg.replace(**knobs), ws, sched, ctx, g, *w))
-        torch.cuda.synchronize()
-        assert_bitwise(got, staged, f"mega {knobs} vs staged")
-    ws.check_errors(blocking=True)
-    monkeypatch.setenv("MOK_BWD_KERNEL", "persistent")
-    with pytest.raises(ValueError, match="MOK_BWD_KERNEL"):
-        kp.backward(cfg, ws, sched, ctx, g, *w)
-
-
-def test_backward_megakernel_many_experts_runs_staged(monkeypatch):
-    """More local experts than the persistent kernel's chunk prefix holds (511): MOK_BWD_KERNEL=mega
-    runs the staged launches instead of failing, with their bits."""
+def test_backward_512_local_experts():
+    """As many local experts as the expert GEMMs take in one launch: against the fp32 reference."""
     shape = (128, 128, 64, 64, 512, 2)
     cfg, ws, top, w, g = _case(shape, "random", 5)
-    kp = _kp()
-    sched = kp.build_schedule(cfg, ws, top)
-    _, ctx = kp.forward(cfg, ws, sched, *w)
-    got = {}
-    for kernel in ("staged", "mega"):
-        monkeypatch.setenv("MOK_BWD_KERNEL", kernel)
-        got[kernel] = clone_all(grads_list(kp.backward(cfg, ws, sched, ctx, g, *w)))
+    _, _, got = forward_backward(cfg, ws, top, w, g)
     torch.cuda.synchronize()
-    assert_bitwise(got["mega"], got["staged"], "512 experts: mega vs staged")
-    check_close(got["mega"], reference_grads(ws, build_schedule_reference(ws, top), *w, g))
+    check_close(got, reference_grads(ws, build_schedule_reference(ws, top), *w, g))
     ws.check_errors(blocking=True)
 
 
@@ -415,11 +254,11 @@ def test_backward_bitwise_20_repeats_and_knobs():
     check_backward_bitwise_repeats(ws, top, w, g, comm_ctas=[0, 1, 7, 100])
 
 
-@pytest.mark.parametrize("kernel", ["staged", "mega"])
-def test_backward_cuda_graph_matches_eager(kernel, monkeypatch):
-    monkeypatch.setenv("MOK_BWD_KERNEL", kernel)
+@pytest.mark.parametrize("forward_kernel", ["staged", "persistent"])
+def test_backward_cuda_graph_matches_eager(forward_kernel):
     shape = (384, 256, 128, 128, 8, 2)
     cfg, ws, top, w, g = _case(shape, "random", 5)
+    cfg = cfg.replace(forward_kernel=forward_kernel)
 
     def poison_buffers_and_outputs(outputs):
         poison_all(ws)
@@ -455,12 +294,16 @@ def test_autograd_uses_the_cuda_backward():
     _, _, direct = forward_backward(cfg, ws2, top, w, g)
     torch.cuda.synchronize()
     auto = [x.grad, probs.grad, fc1.grad, fc2.grad, sfc1.grad, sfc2.grad]
-    assert_bitwise(auto, direct, "autograd vs kernel_path.backward")
+    assert_bitwise(auto, direct, "autograd vs cuda.backward")
 
 
-def test_reference_path_selectable():
+def test_reference_path_selectable(monkeypatch):
+    """MOK_FORCE_REFERENCE=1 (the debug switch) runs the pure-PyTorch reference on CUDA tensors."""
+    from megatron_mok import functional
+
     shape = (256, 256, 128, 128, 8, 2)
     cfg, ws, top, w, g = _case(shape, "random", 17)
     sched, ctx, cuda = forward_backward(cfg, ws, top, w, g)
-    ref = grads_list(_kp().backward(cfg, ws, sched, ctx, g, *w, path="reference"))
+    monkeypatch.setenv("MOK_FORCE_REFERENCE", "1")
+    ref = grads_list(functional.backward(cfg, ws, sched, None, g, *w))
     check_close(cuda, ref)

@@ -13,14 +13,16 @@ pytestmark = two_gpu_marks()
 def _suite(rank: int, world: int) -> list[str]:
     import torch.distributed as dist
 
-    from megatron_mok import kernel_path as kp, mok_moe
+    from megatron_mok import MoKConfig, mok_moe
     from megatron_mok.schedule import build_schedule_reference
 
     from ._bwd import (assert_bitwise, backward_case, check_backward_bitwise_repeats, check_backward_graph_equals_eager,
-                       check_backward_repeats, check_main_grads_accumulate, forward_backward, grads_list, poison_all,
-                       reference_grads)
-    from ._util import EP2_CASES, check_stalled_peer_times_out, make_check, schedules_equal
+                       check_backward_repeats, check_close, check_main_grads_accumulate, clone_all,
+                       forward_backward, fp8_reference_grads, grads_list, poison_all, reference_grads)
+    from ._util import (EP2_CASES, bits, check_stalled_peer_times_out, cuda_path, make_case, make_check,
+                        schedules_equal)
 
+    kp = cuda_path()
     dev = torch.device("cuda", rank)
     lines = []
     check = make_check(lines)
@@ -56,24 +58,15 @@ def _suite(rank: int, world: int) -> list[str]:
 
     check("backward_bitwise_20_repeats_and_knobs", bitwise_20_and_knobs)
 
-    def with_kernel(kernel, fn):
-        """fn() with MOK_BWD_KERNEL=kernel (the staged default, or the persistent kernel)."""
-        import os
-
-        os.environ["MOK_BWD_KERNEL"] = kernel
-        try:
-            return fn()
-        finally:
-            os.environ.pop("MOK_BWD_KERNEL", None)
-
-    def cuda_graph():
+    def cuda_graph(forward_kernel):
         cfg, ws, top, w, g = case((384, 256, 128, 128, 8, 2), "random", 5)
+        cfg = cfg.replace(forward_kernel=forward_kernel)
         check_backward_graph_equals_eager(cfg, ws, top, w, g, before_capture=dist.barrier,
                                           before_replay=lambda _outputs: sync_poison(ws))
 
-    for kernel in ("staged", "mega"):
-        check(f"forward_backward_cuda_graph_equals_eager[{kernel}]",
-              lambda kernel=kernel: with_kernel(kernel, cuda_graph))
+    for forward_kernel in ("persistent", "staged"):
+        check(f"forward_backward_cuda_graph_equals_eager[{forward_kernel}]",
+              lambda forward_kernel=forward_kernel: cuda_graph(forward_kernel))
 
     def main_grads():
         cfg, ws, top, w, g = case((256, 256, 128, 128, 8, 2), "half_empty", 11)
@@ -90,38 +83,34 @@ def _suite(rank: int, world: int) -> list[str]:
         out.backward(g)
         _, _, direct = forward_backward(cfg, ws, top, w, g)
         torch.cuda.synchronize()
-        assert_bitwise([t.grad for t in leaves], direct, "autograd vs kernel_path.backward")
+        assert_bitwise([t.grad for t in leaves], direct, "autograd vs megatron_mok.cuda.backward")
 
     check("autograd_uses_the_cuda_backward", autograd)
 
-    def mega_equals_staged(kind, shape):
+    def backward_same_after_either_forward(kind, shape):
+        """The persistent and the staged forward leave the same context bits: the backward after
+        either gives the same gradient bits."""
         cfg, ws, top, w, g = case(shape, kind, 7 + len(kind))
         sched = kp.build_schedule(cfg, ws, top)
-        _, ctx = kp.forward(cfg, ws, sched, *w)
-        got = {}
-        for kernel in ("staged", "mega"):
-            got[kernel] = with_kernel(kernel, lambda: [None if t is None else t.clone()
-                                                       for t in grads_list(kp.backward(cfg, ws, sched, ctx, g, *w))])
+        outs, got = {}, {}
+        for forward_kernel in ("persistent", "staged"):
+            c = cfg.replace(forward_kernel=forward_kernel)
+            out, ctx = kp.forward(c, ws, sched, *w)
+            outs[forward_kernel] = out.clone()
+            got[forward_kernel] = clone_all(grads_list(kp.backward(c, ws, sched, ctx, g, *w)))
             sync_poison(ws)
-        assert_bitwise(got["mega"], got["staged"], "mega vs staged")
+        assert torch.equal(bits(outs["staged"]), bits(outs["persistent"])), "forward outputs differ"
+        assert_bitwise(got["staged"], got["persistent"], "after the staged vs the persistent forward")
         ws.check_errors(blocking=True)
 
     for kind, shape in EP2_CASES[:4]:
-        check(f"backward_megakernel_equals_staged[{kind}-{shape}]",
-              lambda kind=kind, shape=shape: mega_equals_staged(kind, shape))
+        check(f"backward_same_after_persistent_and_staged_forward[{kind}-{shape}]",
+              lambda kind=kind, shape=shape: backward_same_after_either_forward(kind, shape))
 
     def fp8_backward(kind, shape):
         """The fp8 backward at EP=2 (e4m3 dgrads, the fc1 dgrad pushing the dx rows into the peer's
-        slots) against the reference on the reference fp8 context; the same bits with the pushes in
-        bwd_push, with the side stream waiting for the pull, or off, and with grad_out's remote rows
-        pulled once (MOK_TOKEN_DEDUP=1)."""
-        import os
-
-        from megatron_mok import MoKConfig
-
-        from ._bwd import check_close, clone_all, fp8_reference_grads
-        from ._util import make_case
-
+        slots) against the reference on the reference fp8 context; repeats at other pull/push CTA
+        counts (NaN-poisoned buffers in between) give the same bits."""
         cfg, ws, top, w, gen = make_case(shape, kind, 1000 * rank + 31 + len(kind), dev, MoKConfig(precision="fp8"),
                                          world)
         g = torch.randn(shape[0], shape[1], generator=gen).bfloat16().to(dev)
@@ -130,33 +119,25 @@ def _suite(rank: int, world: int) -> list[str]:
         base = clone_all(grads_list(kp.backward(cfg, ws, sched, ctx, g, *w)))
         sync_poison(ws)
         errs = check_close(base, fp8_reference_grads(ws, top, w, g, cfg.dgrad_precision, cfg.wgrad_precision))
-        for knob, value in (("MOK_FP8_PUSH", "0"), ("MOK_BWD_SIDE_EARLY", "0"), ("MOK_BWD_OVERLAP", "0"),
-                            ("MOK_WGRAD8_SIDE", "0"), ("MOK_TOKEN_DEDUP", "1"), ("MOK_FP8_ROW_PAIRS", "0")):
-            os.environ[knob] = value
-            try:
-                got = grads_list(kp.backward(cfg, ws, sched, ctx, g, *w))
-                torch.cuda.synchronize()
-                assert_bitwise(got, base, f"{knob}={value}")
-            finally:
-                os.environ.pop(knob)
+        for comm_ctas in (0, 1, 13, 100):
+            got = grads_list(kp.backward(cfg, ws, sched, ctx, g, *w, comm_ctas=comm_ctas))
+            torch.cuda.synchronize()
+            assert_bitwise(got, base, f"comm_ctas={comm_ctas}")
             sync_poison(ws)
         ws.check_errors(blocking=True)
         return "max rel err " + " ".join(f"{n}={e:.1e}" for n, e in errs.items())
 
     for kind, shape in (("skewed", (384, 512, 256, 256, 16, 4)), ("one_expert", (256, 384, 256, 128, 8, 2))):
-        check(f"fp8_backward_vs_reference_and_knobs[{kind}]",
+        check(f"fp8_backward_vs_reference_and_repeats[{kind}]",
               lambda kind=kind, shape=shape: fp8_backward(kind, shape))
 
     def stalled_peer():
-        from megatron_mok import MoKConfig
-
         _, ws, top, w, g = backward_case((256, 256, 128, 128, 8, 2), "random", 3 + rank, dev, world)
         cfg = MoKConfig(peer_timeout_s=1.0)
         sched, ctx, _ = forward_backward(cfg, ws, top, w, g)  # creates the buffers on both ranks
         check_stalled_peer_times_out(ws, lambda: kp.backward(cfg, ws, sched, ctx, g, *w), rank)
 
-    for kernel in ("staged", "mega"):
-        check(f"backward_stalled_peer_times_out[{kernel}]", lambda kernel=kernel: with_kernel(kernel, stalled_peer))
+    check("backward_stalled_peer_times_out", stalled_peer)
     return lines
 
 

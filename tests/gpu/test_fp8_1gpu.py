@@ -16,7 +16,7 @@ from megatron_mok.schedule import build_schedule_reference
 from ._bwd import assert_bitwise, check_close, fp8_reference_grads, grads_list
 from ._util import (bits, eager_before_capture, gemm_bits_over_cta_counts, gpu_marks, make_case, poison_internal,
                     rel_err)
-from ._util import kernel_path_module as _kp
+from ._util import cuda_path as _kp
 
 pytestmark = gpu_marks()
 
@@ -153,15 +153,12 @@ def _segments(counts, K, gen):
     (7168, 128, [129, 77], True),  # all-positive operands: no cancellation hides accumulation loss
     (512, 512, [130, 0, 1, 255, 257, 300, 600, 17], False),  # 4+ weight tiles: row pairs of 1-5 chunks
 ])
-def test_expert_gemm_fp8_matches_dequantized_products(swiglu, K, N, counts, positive, monkeypatch):
+def test_expert_gemm_fp8_matches_dequantized_products(swiglu, K, N, counts, positive):
     """Real rows against fp64 products of the dequantized operands, padding rows +0, rows past the
-    last segment untouched, bits independent of the CTA count, of the task layout (MOK_FP8_TASKS:
-    auto, the default; rows, in clusters by default and unpaired with MOK_FP8_ROW_PAIRS=0; columns of
-    256 or 128 token rows, MOK_FP8_TASK_ROWS; pairs) and of how the CTAs claim their tasks
-    (MOK_GEMM_TICKETS: 1, the default, from a counter; 0 round-robin). The
-    accumulation must lose no more
-    than the bf16 expert GEMM does on the same shapes (its error against fp64 products of its own
-    operands): e4m3 wgmma sums each 128-K block only, fp32 sums the blocks."""
+    last segment untouched, bits independent of the CTA count (the gate/up GEMM: paired column
+    tasks; the other: row tasks in 2-CTA row pairs; 1 CTA asks for one cluster). The accumulation
+    must lose no more than the bf16 expert GEMM does on the same shapes (its error against fp64
+    products of its own operands): e4m3 wgmma sums each 128-K block only, fp32 sums the blocks."""
     from megatron_mok import ops
 
     gen = torch.Generator().manual_seed(K + N + len(counts))
@@ -175,45 +172,7 @@ def test_expert_gemm_fp8_matches_dequantized_products(swiglu, K, N, counts, posi
     cnt = torch.tensor(counts, dtype=torch.int32, device=DEV)
     run = lambda out, h, ctas: ops.expert_gemm_fp8(xq, xs, qw.q, qw.scale, seg, cnt, out, swiglu,  # noqa: E731
                                                    pre_out=h, num_ctas=ctas)
-    first = gemm_bits_over_cta_counts(run, cap, N, swiglu, (0, 1, 5, 77), DEV)  # the default (auto)
-    # every explicit layout: (MOK_FP8_TASKS, MOK_FP8_TASK_ROWS, MOK_FP8_ROW_PAIRS, MOK_GEMM_TICKETS, CTA
-    # counts); pairs and row pairs: 1 CTA asks for one cluster
-    for tasks, task_rows, row_pairs, tickets, ctas in (
-            ("rows", None, "0", "1", (0, 5)), ("rows", None, "1", "1", (0, 1, 6)), ("rows", None, "1", "0", (0, 6)),
-            ("rows", None, "0", "0", (0, 5)), ("columns", "256", "0", "1", (0, 5)), ("columns", "128", "0", "1", (0, 5)),
-            ("columns", "256", "0", "0", (0, 5)), ("pairs", None, "0", "1", (0, 1, 6)), ("pairs", None, "0", "0", (0, 6))):
-        monkeypatch.setenv("MOK_FP8_TASKS", tasks)
-        monkeypatch.setenv("MOK_FP8_ROW_PAIRS", row_pairs)
-        monkeypatch.setenv("MOK_GEMM_TICKETS", tickets)
-        if task_rows is None:
-            monkeypatch.delenv("MOK_FP8_TASK_ROWS", raising=False)
-        else:
-            monkeypatch.setenv("MOK_FP8_TASK_ROWS", task_rows)
-        other = gemm_bits_over_cta_counts(run, cap, N, swiglu, ctas, DEV)
-        for got, want in zip(other, first):
-            if want is not None:
-                assert torch.equal(bits(got), bits(want)), \
-                    f"{tasks} tasks ({task_rows} rows, row pairs {row_pairs}, tickets {tickets})"
-    monkeypatch.setenv("MOK_GEMM_TICKETS", "2")
-    with pytest.raises(RuntimeError, match="MOK_GEMM_TICKETS must be 0 or 1"):
-        run(*other, 0)
-    monkeypatch.delenv("MOK_GEMM_TICKETS")
-    monkeypatch.setenv("MOK_FP8_TASKS", "rows")
-    monkeypatch.setenv("MOK_FP8_ROW_PAIRS", "yes")
-    with pytest.raises(RuntimeError, match="MOK_FP8_ROW_PAIRS must be 0 or 1"):
-        run(*other, 0)
-    monkeypatch.delenv("MOK_FP8_ROW_PAIRS")
-    monkeypatch.setenv("MOK_FP8_TASKS", "columns")
-    monkeypatch.setenv("MOK_FP8_TASK_ROWS", "100")
-    with pytest.raises(RuntimeError, match="MOK_FP8_TASK_ROWS must be 128 or 256"):
-        run(*other, 0)
-    monkeypatch.setenv("MOK_FP8_TASKS", "pairs")
-    with pytest.raises(RuntimeError, match="MOK_FP8_TASK_ROWS goes with MOK_FP8_TASKS=columns"):
-        run(*other, 0)
-    monkeypatch.delenv("MOK_FP8_TASK_ROWS")
-    monkeypatch.setenv("MOK_FP8_TASKS", "diagonal")
-    with pytest.raises(RuntimeError, match="MOK_FP8_TASKS must be auto, rows, columns or pairs"):
-        run(*other, 0)
+    first = gemm_bits_over_cta_counts(run, cap, N, swiglu, (0, 1, 5, 6, 77), DEV)
     # the bf16 expert GEMM on the unquantized operands: its error against fp64 is the bar for the accumulation
     out_bf16 = torch.full((cap, N), float("nan"), dtype=torch.bfloat16, device=DEV)
     h_bf16 = torch.full((cap, 2 * N), float("nan"), dtype=torch.bfloat16, device=DEV) if swiglu else None
@@ -273,12 +232,12 @@ def test_expert_gemm_fp8_rejects_k_past_its_task_tags():
     (7168, 256, [300, 211]),  # DeepSeek-V3's H (56 scale blocks of dy)
     (512, 512, [130, 0, 1, 257, 300, 17]),  # 4 weight tiles a side: row pairs in both dgrads
 ])
-def test_expert_gemm_fp8_dgrads_match_dequantized_products(H, I, counts, monkeypatch):
+def test_expert_gemm_fp8_dgrads_match_dequantized_products(H, I, counts):
     """The backward's two e4m3 dgrads: dh = swiglu_backward(h, bf16(dy @ fc2[e])) against fc2's
     transposed copy, then dx = dh @ fc1[e] from dh in gate/up pair blocks against fc1's transposed
     copy; each against fp64 products of its dequantized operands (<= 1e-2, and no worse than 1.5x
     the bf16 expert_dgrad against its own), padding rows +0, rows past the segments untouched,
-    bits independent of the CTA count and of the task layout (MOK_FP8_TASKS, MOK_FP8_TASK_ROWS)."""
+    bits independent of the CTA count (row tasks in 2-CTA row pairs; 1 CTA asks for one cluster)."""
     from megatron_mok import ops
 
     E = len(counts)
@@ -292,39 +251,28 @@ def test_expert_gemm_fp8_dgrads_match_dequantized_products(H, I, counts, monkeyp
     cnt = torch.tensor(counts, dtype=torch.int32, device=DEV)
     dyq, dys = ops.quantize_rows_e4m3(dy.to(DEV))
     first = None
-    for ctas, layout in ((0, "auto"), (1, "auto"), (77, "auto"), (0, "rows"), (0, "256"), (5, "128"), (0, "pairs"),
-                         (6, "pairs"), (1, "rows"), (6, "rows"), (0, "unpaired rows"), (5, "unpaired rows"),
-                         (6, "round-robin rows"), (5, "round-robin unpaired rows")):
-        # the row tasks run in clusters unless MOK_FP8_ROW_PAIRS=0; round-robin: MOK_GEMM_TICKETS=0
-        monkeypatch.setenv("MOK_FP8_ROW_PAIRS", "0" if "unpaired" in layout else "1")
-        monkeypatch.setenv("MOK_GEMM_TICKETS", "0" if "round-robin" in layout else "1")
-        if layout.split()[-1] in ("auto", "rows", "pairs"):
-            monkeypatch.setenv("MOK_FP8_TASKS", layout.split()[-1])
-            monkeypatch.delenv("MOK_FP8_TASK_ROWS", raising=False)
-        else:
-            monkeypatch.setenv("MOK_FP8_TASKS", "columns")
-            monkeypatch.setenv("MOK_FP8_TASK_ROWS", layout)
+    for ctas in (0, 1, 5, 6, 77):
         dh = torch.full((cap, 2 * I), float("nan"), dtype=torch.bfloat16, device=DEV)
         ops.expert_gemm_fp8(dyq, dys, w8.fc2_t.q, w8.fc2_t.scale, seg, cnt, dh, False, num_ctas=ctas, h=h.to(DEV))
         dhq, dhs = ops.quantize_rows_e4m3(dh, seg[-1:], gate_up_pairs=True)
-        # dh's e4m3 copy from the same GEMM (the row tasks' epilogue; the other layouts quantize
-        # after it): the quantizer's bits, rows past the segments untouched
+        # dh's e4m3 copy from the same GEMM (the row tasks' epilogue): the quantizer's bits, rows
+        # past the segments untouched
         dh2 = torch.full_like(dh, float("nan"))
         dhq2 = torch.full((cap, 2 * I), 0x7F, dtype=torch.uint8, device=DEV).view(torch.float8_e4m3fn)
         dhs2 = torch.full_like(dhs, float("nan"))
         ops.expert_gemm_fp8(dyq, dys, w8.fc2_t.q, w8.fc2_t.scale, seg, cnt, dh2, False, num_ctas=ctas, h=h.to(DEV),
                             dh_e4m3=(dhq2, dhs2))
         end = offs[-1]
-        assert torch.equal(bits(dh2), bits(dh)), ("dh with its e4m3 copy", ctas, layout)
-        assert torch.equal(_u8(dhq2)[:end], _u8(dhq)[:end]), ("dh's e4m3 bytes", ctas, layout)
-        assert torch.equal(dhs2[:, :end], dhs[:, :end]), ("dh's e4m3 scales", ctas, layout)
-        assert bool((_u8(dhq2)[end:] == 0x7F).all()) and bool(dhs2[:, end:].isnan().all()), (ctas, layout)
+        assert torch.equal(bits(dh2), bits(dh)), ("dh with its e4m3 copy", ctas)
+        assert torch.equal(_u8(dhq2)[:end], _u8(dhq)[:end]), ("dh's e4m3 bytes", ctas)
+        assert torch.equal(dhs2[:, :end], dhs[:, :end]), ("dh's e4m3 scales", ctas)
+        assert bool((_u8(dhq2)[end:] == 0x7F).all()) and bool(dhs2[:, end:].isnan().all()), ctas
         dx = torch.full((cap, H), float("nan"), dtype=torch.bfloat16, device=DEV)
         ops.expert_gemm_fp8(dhq, dhs, w8.fc1_t.q, w8.fc1_t.scale, seg, cnt, dx, False, num_ctas=ctas)
         if first is None:
             first = (dh, dx)
             continue
-        assert torch.equal(bits(dh), bits(first[0])) and torch.equal(bits(dx), bits(first[1])), (ctas, layout)
+        assert torch.equal(bits(dh), bits(first[0])) and torch.equal(bits(dx), bits(first[1])), ctas
     dh_copy = (torch.empty((cap, 2 * I), dtype=torch.float8_e4m3fn, device=DEV), torch.empty_like(dhs))
     with pytest.raises(RuntimeError, match="needs h"):  # the fc1 dgrad: no SwiGLU backward
         ops.expert_gemm_fp8(dhq, dhs, w8.fc1_t.q, w8.fc1_t.scale, seg, cnt, first[1], False, dh_e4m3=dh_copy)
@@ -367,14 +315,17 @@ FP8_SHAPES = [  # T, H, I, Is, E, k (H and I multiples of 128)
 
 @pytest.mark.parametrize("kind", ["random", "skewed", "one_expert", "half_empty"])
 @pytest.mark.parametrize("shape", FP8_SHAPES)
-def test_fp8_forward_matches_fp8_reference(kind, shape, monkeypatch):
-    """The layer with MoKConfig(precision="fp8") against the reference that quantizes the same
-    operands (fp32 arithmetic), on NaN-poisoned outputs and buffers; the megakernel and the staged
-    launches, repeats, CTA counts and minibatch sizes give the same bits (output and context); the
-    quantization error against the bf16 layer is reported by its bound."""
+def test_fp8_forward_matches_fp8_reference(kind, shape):
+    """The layer with MoKConfig(precision="fp8") (the staged launches) against the reference that
+    quantizes the same operands (fp32 arithmetic), on NaN-poisoned outputs and buffers; repeats, CTA
+    counts, minibatch sizes and comm SMs give the same bits (output and context); the quantization
+    error against the bf16 layer is reported by its bound."""
+    from megatron_mok.cuda.context import routed_rows
+
     T, H = shape[:2]
     cfg = MoKConfig(precision="fp8")
     cfg, ws, top, (x, probs, fc1, fc2, sfc1, sfc2), _ = make_case(shape, kind, 11 * sum(shape) + len(kind), DEV, cfg)
+    assert cfg.resolved_forward_kernel(ws.ep_size) == "staged"
     sched = _kp().build_schedule(cfg, ws, top)
     ref_sched = build_schedule_reference(ws, top)
     f = lambda t: None if t is None else t.float()  # noqa: E731
@@ -388,36 +339,19 @@ def test_fp8_forward_matches_fp8_reference(kind, shape, monkeypatch):
     ref_act = (torch.nn.functional.silu(rctx.fc1_out[:, :I]) * rctx.fc1_out[:, I:])[real]
     w8 = functional.quantize_expert_weights(fc1, fc2)
     base = base_ctx = None
-    # (path, knobs, config fields): the megakernel and the staged launches, CTA counts, minibatch
-    # size; the staged repeat 3 keeps the shared expert on the caller's stream (MOK_FWD_OVERLAP=0)
-    # and combines in a launch of its own (MOK_FP8_PUSH=0) with e4m3 column tasks of 128 rows
-    # (MOK_FP8_TASKS=columns, MOK_FP8_TASK_ROWS=128), the others push from the down GEMM; the
-    # staged repeat 1 runs the default e4m3 tasks with unpaired row tasks (MOK_FP8_ROW_PAIRS=0),
-    # repeat 6 the pair tasks in 3 clusters, repeat 7 every GEMM on row tasks in 3 clusters (the
-    # default MOK_FP8_ROW_PAIRS=1)
-    reps = [("mega", {}, {}), ("staged", {}, {}), ("mega", dict(gemm_ctas=1, comm_ctas=3), {}),
-            ("staged", dict(gemm_ctas=77, comm_ctas=1), {}), ("mega", dict(gemm_ctas=5), dict(minibatch_rows=128)),
-            ("mega", {}, dict(fwd_comm_sms=1, minibatch_rows=4096)), ("staged", dict(gemm_ctas=6), {}),
-            ("staged", dict(gemm_ctas=6), {})]
-    for rep, (path, knobs, fields) in enumerate(reps):
-        monkeypatch.setenv("MOK_FWD_OVERLAP", "0" if rep == 3 else "1")
-        monkeypatch.setenv("MOK_FP8_PUSH", "0" if rep == 3 else "1")
-        monkeypatch.setenv("MOK_FP8_ROW_PAIRS", "0" if rep == 1 else "1")
-        tasks = {3: "columns", 6: "pairs", 7: "rows"}.get(rep)
-        if tasks is None:
-            monkeypatch.delenv("MOK_FP8_TASKS", raising=False)
-        else:
-            monkeypatch.setenv("MOK_FP8_TASKS", tasks)
-        if rep == 3:
-            monkeypatch.setenv("MOK_FP8_TASK_ROWS", "128")
-        else:
-            monkeypatch.delenv("MOK_FP8_TASK_ROWS", raising=False)
+    # (knobs, config fields): CTA counts of the GEMMs and of the dispatch/combine (1 CTA asks for one
+    # cluster, 6 for three), and the persistent forward's knobs, which the staged one must ignore
+    reps = [({}, {}), ({}, {}), (dict(gemm_ctas=1, comm_ctas=3), {}), (dict(gemm_ctas=77, comm_ctas=1), {}),
+            (dict(gemm_ctas=5), dict(minibatch_rows=128)), ({}, dict(fwd_comm_sms=1, minibatch_rows=4096)),
+            (dict(gemm_ctas=6), {})]
+    for rep, (knobs, fields) in enumerate(reps):
         out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=DEV)
         out, ctx = _kp().forward(dataclasses.replace(cfg, **fields), ws, sched, x, probs, fc1,
-                                 fc2, sfc1, sfc2, out=out, fp8_weights=w8 if rep % 2 == 0 else None, path=path,
-                                 **knobs)
+                                 fc2, sfc1, sfc2, out=out, fp8_weights=w8 if rep % 2 == 0 else None, **knobs)
         torch.cuda.synchronize()
-        assert torch.isfinite(out.float()).all(), f"{path}: output elements not written (or NaN)"
+        assert torch.isfinite(out.float()).all(), f"rep {rep}: output elements not written (or NaN)"
+        # the dispatched rows' scales in the layout the e4m3 GEMMs read: [H / 128, ld], ld = cap rounded to 4
+        assert ctx.x_scale.shape == (H // 128, -(-sched.capacity // 4) * 4) and ctx.x_scale.is_contiguous()
         if base is None:
             base, base_ctx = out.clone(), ctx
             # the stages first: the routed rows' pre-activations, SwiGLU output, expert outputs
@@ -428,29 +362,29 @@ def test_fp8_forward_matches_fp8_reference(kind, shape, monkeypatch):
             assert max(stages.values()) <= 1e-2, stages
             # e4m3's 3 mantissa bits, through two quantized GEMMs (no shared expert: nothing dilutes it)
             assert rel_err(out, ref_bf16) < 8e-2, rel_err(out, ref_bf16)
-            base_rows = _kp().routed_rows(ctx, sched)[real].clone()
+            base_rows = routed_rows(ctx, sched)[real].clone()
         else:
-            assert torch.equal(bits(out), bits(base)), f"bits differ at rep {rep} ({path}, {knobs}, {fields})"
+            assert torch.equal(bits(out), bits(base)), f"bits differ at rep {rep} ({knobs}, {fields})"
             for name in ("act", "h", "y_routed"):
                 a, b = getattr(ctx, name)[real], getattr(base_ctx, name)[real]
-                assert torch.equal(bits(a), bits(b)), f"ctx.{name} differs at rep {rep} ({path})"
-            assert torch.equal(bits(_kp().routed_rows(ctx, sched)[real]), bits(base_rows)), \
-                f"the dispatched e4m3 rows differ at rep {rep} ({path})"
+                assert torch.equal(bits(a), bits(b)), f"ctx.{name} differs at rep {rep}"
+            assert torch.equal(bits(routed_rows(ctx, sched)[real]), bits(base_rows)), \
+                f"the dispatched e4m3 rows differ at rep {rep}"
         poison_internal(ws)
     if sfc1 is not None:
-        # fp8_shared=False: the shared expert in bf16 (inside the megakernel, on the staged launches'
-        # side stream), against the reference with a bf16 shared expert; both paths the same bits
+        # fp8_shared=False: the shared expert in bf16 (on the staged launches' side stream), against
+        # the reference with a bf16 shared expert; two CTA counts give the same bits
         bf_shared = dataclasses.replace(cfg, fp8_shared=False)
         ref_bs, _ = reference.forward(ws, ref_sched, f(x), probs, f(fc1), f(fc2), f(sfc1), f(sfc2), "fp8", "bf16")
         outs = []
-        for path in ("staged", "mega"):
+        for gemm_ctas in (0, 7):
             out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=DEV)
             outs.append(_kp().forward(bf_shared, ws, sched, x, probs, fc1, fc2, sfc1, sfc2, out=out, fp8_weights=w8,
-                                      path=path)[0])
+                                      gemm_ctas=gemm_ctas)[0])
             torch.cuda.synchronize()
             poison_internal(ws)
         assert rel_err(outs[0], ref_bs) <= 1e-2, rel_err(outs[0], ref_bs)
-        assert torch.equal(bits(outs[0]), bits(outs[1])), "fp8_shared=False: mega and staged bits differ"
+        assert torch.equal(bits(outs[0]), bits(outs[1])), "fp8_shared=False: bits depend on the CTA count"
         assert not torch.equal(bits(outs[0]), bits(base)), "fp8_shared=False gave the e4m3 shared expert's bits"
     ws.check_errors(blocking=True)
 
@@ -557,13 +491,12 @@ def test_expert_wgrad_fp8_matches_dequantized_products(M, N):
         ops.expert_wgrad_fp8(a_t, a_s, b_t, b_s, offs_d, cnt, out[:, :, :8])
 
 
-@pytest.mark.parametrize("path,fp8_dgrad,fp8_wgrad", [("staged", True, True), ("staged", False, True),
-                                                    ("staged", True, False), ("mega", True, True)])
-def test_fp8_forward_cuda_graph_and_backward(path, fp8_dgrad, fp8_wgrad):
-    """Schedule + fp8 forward (either path) captured in a CUDA graph (no host sync) replays the eager bits; the
-    backward on the fp8 forward's context (e4m3 or bf16 dgrads and weight gradients) matches the
-    reference backward on the reference fp8 context (<= 1e-2 for every gradient), repeats bit for
-    bit, and replays the same bits from a CUDA graph."""
+@pytest.mark.parametrize("fp8_dgrad,fp8_wgrad", [(True, True), (False, True), (True, False)])
+def test_fp8_forward_cuda_graph_and_backward(fp8_dgrad, fp8_wgrad):
+    """Schedule + fp8 forward (the staged launches) captured in a CUDA graph (no host sync) replays the
+    eager bits; the backward on the fp8 forward's context (e4m3 or bf16 dgrads and weight gradients)
+    matches the reference backward on the reference fp8 context (<= 1e-2 for every gradient),
+    repeats bit for bit, and replays the same bits from a CUDA graph."""
     shape = (517, 512, 384, 256, 32, 8)
     cfg = MoKConfig(precision="fp8", fp8_dgrad=fp8_dgrad, fp8_wgrad=fp8_wgrad)
     cfg, ws, top, inputs, _ = make_case(shape, "skewed", 5, DEV, cfg)
@@ -571,7 +504,7 @@ def test_fp8_forward_cuda_graph_and_backward(path, fp8_dgrad, fp8_wgrad):
     w8 = functional.quantize_expert_weights(inputs[2], inputs[3], transposed=fp8_dgrad)
 
     def run():
-        return kp.forward(cfg, ws, kp.build_schedule(cfg, ws, top), *inputs, fp8_weights=w8, path=path)
+        return kp.forward(cfg, ws, kp.build_schedule(cfg, ws, top), *inputs, fp8_weights=w8)
 
     eager = eager_before_capture(lambda: run()[0].clone())
     graph = torch.cuda.CUDAGraph()
@@ -583,7 +516,7 @@ def test_fp8_forward_cuda_graph_and_backward(path, fp8_dgrad, fp8_wgrad):
         torch.cuda.synchronize()
         assert torch.equal(bits(out_g), bits(eager)), "graph replay differs from eager"
     sched = kp.build_schedule(cfg, ws, top)
-    out, ctx = kp.forward(cfg, ws, sched, *inputs, fp8_weights=w8, path=path)
+    out, ctx = kp.forward(cfg, ws, sched, *inputs, fp8_weights=w8)
     assert ctx.x_routed is None and ctx.x_e4m3 is not None  # e4m3 rows kept, dequantized by the backward
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).bfloat16().to(DEV)
     got = grads_list(functional.backward(cfg, ws, sched, ctx, grad, *inputs, fp8_weights=w8))

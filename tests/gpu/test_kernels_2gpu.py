@@ -14,21 +14,24 @@ def _suite(rank: int, world: int) -> list[str]:
     """Every EP=2 check; returns 'PASS name' / 'FAIL name: why' lines."""
     import torch.distributed as dist
 
-    from megatron_mok import MoKCapacityError, MoKConfig, kernel_path as kp
+    from megatron_mok import MoKCapacityError, MoKConfig, reference
     from megatron_mok.schedule import build_schedule_reference
 
-    from ._util import (EP2_CASES, check_forward_bitwise_repeats, check_forward_graph_equals_eager,
-                        check_stalled_peer_times_out, make_case, make_check, poison_internal, reference_out, rel_err,
-                        schedules_equal)
+    from ._util import (EP2_CASES, bits, check_forward_bitwise_repeats, check_forward_graph_equals_eager,
+                        check_stalled_peer_times_out, cuda_path, make_case, make_check, poison_internal, reference_out,
+                        rel_err, schedules_equal)
 
+    kp = cuda_path()
     dev = torch.device("cuda", rank)
     lines = []
     check = make_check(lines)
+    PERSISTENT, STAGED = MoKConfig(forward_kernel="persistent"), MoKConfig(forward_kernel="staged")
 
     def forward_vs_reference(kind, shape):
         T, H, _, _, E, _ = shape
         cfg, ws, top, (x, probs, fc1, fc2, sfc1, sfc2), _ = make_case(
             shape, kind, 1000 * rank + T + E + len(kind), dev, world=world)
+        assert cfg.resolved_forward_kernel(ws.ep_size) == "persistent", "auto at EP=2 (bf16) is not persistent"
         sched = kp.build_schedule(cfg, ws, top)
         ref_sched = build_schedule_reference(ws, top)
         bad = schedules_equal(sched, ref_sched)
@@ -45,104 +48,88 @@ def _suite(rank: int, world: int) -> list[str]:
             first = out.clone() if first is None else first
             assert torch.equal(out, first), "not bitwise repeatable"
             poison_internal(ws)
-        # the megakernel (default) and the staged launches give the same bits
-        staged = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=dev)
-        staged, _ = kp.forward(cfg, ws, sched, x, probs, fc1, fc2, sfc1, sfc2, out=staged, path="staged")
-        mega = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=dev)
-        mega, _ = kp.forward(cfg, ws, sched, x, probs, fc1, fc2, sfc1, sfc2, out=mega, path="mega")
-        torch.cuda.synchronize()
-        assert torch.equal(staged.view(torch.int16), first.view(torch.int16)), "staged path differs from mega"
-        assert torch.equal(mega.view(torch.int16), first.view(torch.int16)), "mega path not repeatable"
+        # the default (auto: the persistent megakernel at EP=2) and both explicit forward kernels give
+        # the same bits, on NaN-poisoned outputs and buffers
+        for name, c in (("staged", STAGED), ("persistent", PERSISTENT)):
+            got = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=dev)
+            got, _ = kp.forward(c, ws, sched, x, probs, fc1, fc2, sfc1, sfc2, out=got)
+            torch.cuda.synchronize()
+            assert torch.equal(bits(got), bits(first)), f"forward_kernel={name} differs from the default"
+            poison_internal(ws)
         ws.check_errors(blocking=True)
 
     for kind, shape in EP2_CASES:
         check(f"forward_vs_reference[{kind}-{shape}]", lambda kind=kind, shape=shape: forward_vs_reference(kind, shape))
 
     def bitwise_20_and_knobs():
-        cfgs = (MoKConfig(), MoKConfig(fwd_comm_sms=2, minibatch_rows=128))
+        # 20 repeats per config with varying CTA counts, every config's bits equal to the first's: the
+        # persistent forward at two comm-SM / minibatch settings and the staged launches
+        cfgs = (MoKConfig(), MoKConfig(fwd_comm_sms=2, minibatch_rows=128), STAGED)
         check_forward_bitwise_repeats((512, 512, 256, 256, 16, 4), cfgs, seed=77 + rank, dev=dev, world=world)
 
     check("bitwise_20_repeats_and_knobs", bitwise_20_and_knobs)
 
-    def assert_mega_bits(base, cfgs, ws, sched, inputs, what):
-        """The megakernel forward at each config gives base's bits (NaN-poisoned output and buffers)."""
+    def assert_persistent_bits(base, cfgs, ws, sched, inputs, what):
+        """The persistent forward at each config gives base's bits (NaN-poisoned output and buffers)."""
         for cfg in cfgs:
+            assert cfg.resolved_forward_kernel(ws.ep_size) == "persistent", cfg
             poison_internal(ws)
             out = torch.full(base.shape, float("nan"), dtype=torch.bfloat16, device=dev)
-            out, _ = kp.forward(cfg, ws, sched, *inputs, out=out, path="mega")
+            out, _ = kp.forward(cfg, ws, sched, *inputs, out=out)
             torch.cuda.synchronize()
-            assert torch.equal(out.view(torch.int16), base.view(torch.int16)), f"{what}: bits differ at {cfg}"
+            assert torch.equal(bits(out), bits(base)), f"{what}: bits differ at {cfg}"
             ws.check_errors(blocking=True)
 
-    def mega_vs_staged_comm_sms_minibatch():
+    def persistent_vs_staged_comm_sms_minibatch():
         T, H = 1024, 512
         _, ws, top, (x, probs, fc1, fc2, sfc1, sfc2), _ = make_case(
             (T, H, 256, 256, 16, 4), "skewed", 31 + rank, dev, world=world)  # the knobs below do not touch ws
-        sched = kp.build_schedule(MoKConfig(), ws, top)
-        base, _ = kp.forward(MoKConfig(), ws, sched, x, probs, fc1, fc2, sfc1, sfc2, path="staged")
-        cfgs = [MoKConfig(fwd_comm_sms=comm, minibatch_rows=mb)
+        sched = kp.build_schedule(STAGED, ws, top)
+        base, _ = kp.forward(STAGED, ws, sched, x, probs, fc1, fc2, sfc1, sfc2)
+        cfgs = [MoKConfig(forward_kernel="persistent", fwd_comm_sms=comm, minibatch_rows=mb)
                 for comm in (2, 8, 24, 40) for mb in (128, 256, 1024, 4096)]
-        assert_mega_bits(base.clone(), cfgs, ws, sched, (x, probs, fc1, fc2, sfc1, sfc2), "bf16")
+        assert_persistent_bits(base.clone(), cfgs, ws, sched, (x, probs, fc1, fc2, sfc1, sfc2), "bf16")
 
-    check("mega_equals_staged_over_comm_sms_and_minibatch", mega_vs_staged_comm_sms_minibatch)
+    check("persistent_equals_staged_over_comm_sms_and_minibatch", persistent_vs_staged_comm_sms_minibatch)
 
-    def cuda_graph():
-        cfg, ws, top, inputs, _ = make_case((384, 256, 128, 128, 8, 2), "random", 5 + rank, dev, world=world)
+    def cuda_graph(cfg):
+        cfg, ws, top, inputs, _ = make_case((384, 256, 128, 128, 8, 2), "random", 5 + rank, dev, cfg=cfg, world=world)
         check_forward_graph_equals_eager(cfg, ws, top, inputs, before_capture=dist.barrier)
         ws.check_errors(blocking=True)
 
-    check("cuda_graph_replay_equals_eager", cuda_graph)
+    for name, cfg in (("persistent", PERSISTENT), ("staged", STAGED), ("fp8", MoKConfig(precision="fp8"))):
+        check(f"cuda_graph_replay_equals_eager[{name}]", lambda cfg=cfg: cuda_graph(cfg))
 
-    def fp8_mega_equals_staged():
-        # the fp8 megakernel (e4m3 rows pulled from the peer, act quantized in its epilogues) against
-        # the staged fp8 launches, at two knob settings, uneven and single-expert routing
-        for kind in ("skewed", "one_expert"):
-            T, H = 512, 512
-            cfg, ws, top, (x, probs, fc1, fc2, sfc1, sfc2), _ = make_case(
-                (T, H, 256, 256, 16, 4), kind, 41 + rank, dev, cfg=MoKConfig(precision="fp8"), world=world)
-            sched = kp.build_schedule(cfg, ws, top)
-            base, _ = kp.forward(cfg, ws, sched, x, probs, fc1, fc2, sfc1, sfc2, path="staged")
-            cfgs = [cfg, MoKConfig(precision="fp8", fwd_comm_sms=2, minibatch_rows=128)]
-            assert_mega_bits(base.clone(), cfgs, ws, sched, (x, probs, fc1, fc2, sfc1, sfc2), f"fp8 {kind}")
+    def fp8_vs_reference(kind):
+        # the staged fp8 forward (e4m3 rows pulled from the peer, the down GEMM's epilogue pushing
+        # into the peer's slots) against the reference that quantizes at the same points, on
+        # NaN-poisoned outputs and buffers; repeats and CTA counts give the same bits
+        T, H = 512, 512
+        cfg, ws, top, (x, probs, fc1, fc2, sfc1, sfc2), _ = make_case(
+            (T, H, 256, 256, 16, 4), kind, 41 + rank, dev, cfg=MoKConfig(precision="fp8"), world=world)
+        assert cfg.resolved_forward_kernel(ws.ep_size) == "staged"
+        sched = kp.build_schedule(cfg, ws, top)
+        ref_sched = build_schedule_reference(ws, top)
+        f = lambda t: None if t is None else t.float()  # noqa: E731
+        ref, _ = reference.forward(ws, ref_sched, f(x), probs, f(fc1), f(fc2), f(sfc1), f(sfc2), "fp8")
+        base = None
+        for knobs in ({}, dict(gemm_ctas=1, comm_ctas=3), dict(gemm_ctas=77, comm_ctas=1), dict(gemm_ctas=6)):
+            out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=dev)
+            out, _ = kp.forward(cfg, ws, sched, x, probs, fc1, fc2, sfc1, sfc2, out=out, **knobs)
+            torch.cuda.synchronize()
+            assert torch.isfinite(out.float()).all(), f"unwritten / NaN output elements ({knobs})"
+            if base is None:
+                base = out.clone()
+                err = rel_err(out, ref)
+                assert err <= 1e-2, f"rel err {err:.3e}"
+            else:
+                assert torch.equal(bits(out), bits(base)), f"fp8 {kind}: bits differ at {knobs}"
+            dist.barrier()  # no peer still reads this rank's buffers
+            poison_internal(ws)
+        ws.check_errors(blocking=True)
 
-    check("fp8_mega_equals_staged", fp8_mega_equals_staged)
-
-    def token_dedup_same_bits():
-        # remote tokens pulled once (MOK_TOKEN_DEDUP=1) against the direct pulls: the staged bf16 and
-        # fp8 forwards give the same bits (NaN-poisoned outputs and buffers), uneven and one-expert
-        # routing; then graph replay equals eager with the dedup on
-        import os
-
-        for precision in ("bf16", "fp8"):
-            for kind in ("skewed", "one_expert"):
-                cfg, ws, top, inputs, _ = make_case((512, 512, 256, 256, 16, 4), kind, 51 + rank, dev,
-                                                    cfg=MoKConfig(precision=precision), world=world)
-                sched = kp.build_schedule(cfg, ws, top)
-                outs = []
-                for dedup in ("0", "1"):
-                    os.environ["MOK_TOKEN_DEDUP"] = dedup
-                    try:
-                        poison_internal(ws)
-                        out = torch.full((512, 512), float("nan"), dtype=torch.bfloat16, device=dev)
-                        out, _ = kp.forward(cfg, ws, sched, *inputs, out=out, path="staged")
-                        torch.cuda.synchronize()
-                        outs.append(out.clone())
-                    finally:
-                        os.environ.pop("MOK_TOKEN_DEDUP")
-                    dist.barrier()  # no peer still reads this rank's buffers
-                assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), f"{precision} {kind}"
-                ws.check_errors(blocking=True)
-        # and captured in a CUDA graph (the local copies come from the graph's pool)
-        os.environ["MOK_TOKEN_DEDUP"] = "1"
-        try:
-            cfg, ws, top, inputs, _ = make_case((384, 256, 128, 128, 8, 2), "random", 5 + rank, dev,
-                                                cfg=MoKConfig(precision="fp8"), world=world)
-            check_forward_graph_equals_eager(cfg, ws, top, inputs, before_capture=dist.barrier)
-            ws.check_errors(blocking=True)
-        finally:
-            os.environ.pop("MOK_TOKEN_DEDUP")
-
-    check("token_dedup_forward_same_bits_and_graph", token_dedup_same_bits)
+    for kind in ("skewed", "one_expert"):
+        check(f"fp8_forward_vs_reference_and_knobs[{kind}]", lambda kind=kind: fp8_vs_reference(kind))
 
     def capacity_overflow():
         cfg, ws, top, (x, probs, fc1, fc2, _, _), _ = make_case(  # one_expert: all rows on rank 0
@@ -157,24 +144,16 @@ def _suite(rank: int, world: int) -> list[str]:
 
     check("capacity_overflow_raises_on_all_ranks", capacity_overflow)
 
-    def stalled_peer():
+    def stalled_peer(cfg, seed):
         cfg, ws, top, (x, probs, fc1, fc2, _, _), _ = make_case(
-            (256, 256, 128, 0, 8, 2), "random", 3, dev, cfg=MoKConfig(peer_timeout_s=1.0), world=world)
+            (256, 256, 128, 0, 8, 2), "random", seed, dev, cfg=cfg.replace(peer_timeout_s=1.0), world=world)
         sched = kp.build_schedule(cfg, ws, top)
         kp.forward(cfg, ws, sched, x, probs, fc1, fc2)  # creates the buffers on both ranks
         check_stalled_peer_times_out(ws, lambda: kp.forward(cfg, ws, sched, x, probs, fc1, fc2), rank)
 
-    check("stalled_peer_times_out", stalled_peer)
-
-    def stalled_peer_fp8_mega():
-        cfg, ws, top, (x, probs, fc1, fc2, _, _), _ = make_case(
-            (256, 256, 128, 0, 8, 2), "random", 4, dev, cfg=MoKConfig(peer_timeout_s=1.0, precision="fp8"),
-            world=world)
-        sched = kp.build_schedule(cfg, ws, top)
-        kp.forward(cfg, ws, sched, x, probs, fc1, fc2, path="mega")  # creates the buffers on both ranks
-        check_stalled_peer_times_out(ws, lambda: kp.forward(cfg, ws, sched, x, probs, fc1, fc2, path="mega"), rank)
-
-    check("stalled_peer_times_out_fp8_mega", stalled_peer_fp8_mega)
+    for name, cfg, seed in (("persistent", MoKConfig(), 3), ("staged", STAGED, 5),
+                            ("fp8", MoKConfig(precision="fp8"), 4)):
+        check(f"stalled_peer_times_out[{name}]", lambda cfg=cfg, seed=seed: stalled_peer(cfg, seed))
     return lines
 
 
@@ -182,11 +161,12 @@ def test_ep2_suite(tmp_path):
     run_two_rank_suite(_suite, tmp_path)
 
 
-def test_one_process_drives_both_gpus(monkeypatch):
+def test_one_process_drives_both_gpus():
     """The persistent GEMMs raise their shared-memory limit per device: one process launching the
-    bf16 grouped GEMM and every e4m3 task layout on GPU 0 and then on GPU 1 (the limit and the
-    occupancy figure are per device; a cached figure once skipped the second device's limit) gets
-    the same bits on both."""
+    bf16 grouped GEMM and both e4m3 task kinds (the gate/up GEMM's paired column tasks, the down
+    GEMM's row tasks in 2-CTA row pairs) on GPU 0 and then on GPU 1 (the limit and the occupancy
+    figure are per device; a cached figure once skipped the second device's limit) gets the same
+    bits on both."""
     from megatron_mok import fp8, ops
 
     gen = torch.Generator().manual_seed(12)
@@ -200,6 +180,7 @@ def test_one_process_drives_both_gpus(monkeypatch):
         a[offs[e]:offs[e] + c] = torch.randn(c, K, generator=gen)
     a = a.bfloat16()
     w = (torch.randn(len(counts), 2 * N, K, generator=gen) / K**0.5).bfloat16()
+    kinds = ("bf16", "fp8 gate/up", "fp8 down")
     outs = {}
     for d in (0, 1):
         dev = torch.device("cuda", d)
@@ -207,17 +188,19 @@ def test_one_process_drives_both_gpus(monkeypatch):
             seg = torch.tensor(offs, dtype=torch.int32, device=dev)
             cnt = torch.tensor(counts, dtype=torch.int32, device=dev)
             qw = fp8.quantize_weight(w.to(dev), swiglu=True)
+            qw_down = fp8.quantize_weight(w[:, :N].contiguous().to(dev), swiglu=False)
             xq, xs = ops.quantize_rows_e4m3(a.to(dev))
-            for layout in ("bf16", "pairs", "rows", "columns"):
+            for kind in kinds:
                 out = torch.full((offs[-1], N), float("nan"), dtype=torch.bfloat16, device=dev)  # poisoned
-                if layout == "bf16":
+                if kind == "bf16":
                     ops.grouped_gemm(a.to(dev), w.to(dev), seg, out, True, 0, cnt)
-                else:
-                    monkeypatch.setenv("MOK_FP8_TASKS", layout)
+                elif kind == "fp8 gate/up":
                     ops.expert_gemm_fp8(xq, xs, qw.q, qw.scale, seg, cnt, out, True)
+                else:
+                    ops.expert_gemm_fp8(xq, xs, qw_down.q, qw_down.scale, seg, cnt, out, False)
                 torch.cuda.synchronize(dev)
-                assert torch.isfinite(out.float()).all(), f"{layout} on GPU {d}: output elements not written"
-                outs[(layout, d)] = out.cpu()
-    for layout in ("bf16", "pairs", "rows", "columns"):
-        assert torch.equal(outs[(layout, 1)].view(torch.int16), outs[(layout, 0)].view(torch.int16)), \
-            f"{layout}: GPU 1 differs from GPU 0"
+                assert torch.isfinite(out.float()).all(), f"{kind} on GPU {d}: output elements not written"
+                outs[(kind, d)] = out.cpu()
+    for kind in kinds:
+        assert torch.equal(outs[(kind, 1)].view(torch.int16), outs[(kind, 0)].view(torch.int16)), \
+            f"{kind}: GPU 1 differs from GPU 0"

@@ -1,0 +1,98 @@
+// The routed experts' weight gradients (expert_wgrad.cuh), bf16 and e4m3.
+#include <algorithm>
+
+#include "gemm/expert_wgrad.cuh"
+
+namespace mok {
+namespace {
+
+// Routed weight gradients (expert_wgrad.cuh): persistent CTAs walk the tasks round-robin.
+// E4m3Operands: the accumulators times a_scale[e][m] * b_scale[e][n] first.
+template <class Ops = xwgrad::Bf16Operands>
+__global__ void __launch_bounds__(xgemm::kThreads, 1)
+    expert_wgrad_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
+                        const __grid_constant__ CUtensorMap tmOut, xwgrad::Params p, const float* a_scale,
+                        const float* b_scale) {
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const auto sm = xwgrad::carve_smem(smem_raw);
+  gemm::init_ring_barriers(sm, sm.kStages);
+  __syncthreads();
+  const int tasks = xwgrad::num_tasks(p);
+  gemm::run_roles(
+      [&] {
+        tma_prefetch_desc(&tmA);
+        tma_prefetch_desc(&tmB);
+        uint32_t it = 0;
+        for (int u = blockIdx.x; u < tasks; u += gridDim.x)
+          xwgrad::produce_task<Ops>(p, &tmA, &tmB, sm, xwgrad::decode(p, u), it);
+      },
+      [] {},
+      [&](int cw) {
+        float acc[128];
+        uint32_t it = 0;
+        for (int u = blockIdx.x; u < tasks; u += gridDim.x) {
+          // e4m3: the scales' loads are in flight during the MMA
+          const auto scales = xwgrad::task_scales<Ops>(p, sm, a_scale, b_scale, xwgrad::decode(p, u), cw);
+          xwgrad::mma_task<Ops>(p, sm, cw, xwgrad::decode(p, u), acc, it);
+          xwgrad::store_task_tma(p, sm, &tmOut, xwgrad::decode(p, u), cw, acc, scales);
+        }
+        if (threadIdx.x % 128 == 0) bulk_wait_all();  // the boxes stay until TMA is done
+      });
+}
+
+// The persistent grid of a weight-gradient launch: at most one CTA a task.
+template <class Kernel>
+const char* launch_wgrad(Kernel kernel, int smem, const xwgrad::Params& p, int num_ctas, cudaStream_t stream,
+                         const CUtensorMap& tmA, const CUtensorMap& tmB, const CUtensorMap& tmOut,
+                         const float* a_scale, const float* b_scale) {
+  cudaLaunchConfig_t cfg = launch_config(xgemm::kThreads, smem, stream, false, nullptr);
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
+    return "mok expert_wgrad: cannot raise the shared-memory limit";
+  const int64_t tasks = (int64_t)p.nseg * p.m_blocks * p.n_blocks;
+  const int ctas = num_ctas > 0 ? num_ctas : num_sms();
+  cfg.gridDim = dim3(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ctas, tasks))));
+  return launch_ex(cfg, kernel, tmA, tmB, tmOut, p, a_scale, b_scale);
+}
+
+const char* check_wgrad_shape(int nseg, int M, int N, const void* out) {
+  if (nseg < 1) return "mok expert_wgrad: no segments";
+  if (M <= 0 || N <= 0 || M % 8 || N % 8) return "mok expert_wgrad: M and N must be positive multiples of 8";
+  if (!aligned16(out)) return "mok expert_wgrad: out must start at a 16-byte aligned address (16-byte stores)";
+  return nullptr;
+}
+
+}  // namespace
+
+const char* launch_expert_wgrad(const void* a, int64_t a_rows, int M, const int* a_offsets, const void* b,
+                                int64_t b_rows, int N, const int* b_offsets, const int* counts, int nseg, void* out,
+                                int num_ctas, cudaStream_t stream) {
+  if (const char* m = check_wgrad_shape(nseg, M, N, out)) return m;
+  if (a_rows > (int64_t)1 << 30 || b_rows > (int64_t)1 << 30) return "mok expert_wgrad: too many rows";
+  CUtensorMap tmA, tmB;
+  if (const char* m = xwgrad::make_operand_maps(&tmA, &tmB, a, a_rows, M, b, b_rows, N)) return m;
+  const xwgrad::Params p = xwgrad::make_params(a_offsets, b_offsets, counts, nseg, M, N, out);
+  CUtensorMap tmOut;
+  if (const char* m = xwgrad::make_out_map(&tmOut, out, nseg, M, N)) return m;
+  return launch_wgrad(expert_wgrad_kernel<>, xwgrad::Smem::kBytes, p, num_ctas, stream, tmA, tmB, tmOut, nullptr,
+                      nullptr);
+}
+
+const char* launch_expert_wgrad_fp8(const void* a_t, int M, const float* a_scale, const void* b_t, int N,
+                                    const float* b_scale, int64_t ld, const int* offsets, const int* counts, int nseg,
+                                    void* out, int num_ctas, cudaStream_t stream) {
+  if (const char* m = check_wgrad_shape(nseg, M, N, out)) return m;
+  if (ld <= 0 || ld % 16 || ld > (int64_t)1 << 30)
+    return "mok expert_wgrad_fp8: the transposes' token pitch must be a positive multiple of 16";
+  if (!aligned16(a_t) || !aligned16(b_t) || (reinterpret_cast<uintptr_t>(a_scale) & 7) ||
+      (reinterpret_cast<uintptr_t>(b_scale) & 7))
+    return "mok expert_wgrad_fp8: operands need 16-byte and scales 8-byte aligned addresses";
+  CUtensorMap tmA, tmB;
+  if (const char* m = xwgrad::make_e4m3_operand_maps(&tmA, &tmB, a_t, M, b_t, N, ld)) return m;
+  const xwgrad::Params p = xwgrad::make_params(offsets, offsets, counts, nseg, M, N, out);
+  CUtensorMap tmOut;
+  if (const char* m = xwgrad::make_out_map(&tmOut, out, nseg, M, N)) return m;
+  return launch_wgrad(expert_wgrad_kernel<xwgrad::E4m3Operands>, xwgrad::Smem::kBytes, p, num_ctas, stream, tmA,
+                      tmB, tmOut, a_scale, b_scale);
+}
+
+}  // namespace mok

@@ -1,0 +1,381 @@
+// Weight gradients of the routed experts on expert_gemm.cuh's ring protocol: dW[e] = A_e^T @ B_e, reduced over the expert's token rows, for
+//   dfc2[e] [H, I] = dy[rows of e]^T @ act[rows of e]     (A = dy, B = act)
+//   dfc1[e] [2I, H] = dh[rows of e]^T @ x_routed[rows of e] (A = dh, B = x_routed).
+// Both operands are token-row-major, so the MMA's K is the token axis and both are MN-major: a
+// stage holds A as two [64 rows][64 M] boxes (one per consumer warpgroup) and B as four
+// [64 rows][64 N] boxes, read by wgmma with both transpose bits.
+//
+// A task is (expert e, 128 rows of dW[e], 256 columns of dW[e]); its K loop runs over the expert's
+// rows in ascending order and one task owns each output element: the bits do not depend on the
+// grid. A and B may use different row layouts: a_offsets / b_offsets give each expert's first row
+// in each. Only the first
+// ceil16(rows) rows enter the MMA (the last stage issues only its 16-row groups inside them), and
+// rows between the real count and that bound must be zero in A or B (padding rows).
+// Experts without rows get exact zeros.
+//
+// e4m3 (E4m3Operands, expert_wgrad_fp8): the same tasks on the operands' transposes [M][tokens] and
+// [N][tokens] (ops.quantize_columns_e4m3: one scale per row of the transpose and expert, both over
+// the expert's rows), 128 tokens a stage in 32-token MMA groups (the same 48 KB a stage); the
+// tensor cores sum over all of the expert's rows and the epilogue multiplies by the two scales.
+//
+// Epilogue: a task's 128 x 256 bf16 tile is 64 KB, which global stores from the consumers would
+// drain at HBM speed before the next task's MMA could start. Instead each warpgroup stmatrix-es its
+// 64 x 256 half into four swizzled [64][64] boxes and one thread hands them to TMA stores; the
+// warpgroup goes on to the next task and waits only before it overwrites the boxes (until TMA has
+// read them). The boxes take one ring stage (3, not 4); measured faster than two boxes per
+// warpgroup filled twice next to 4 stages, and than 16-byte stores from the consumers.
+#pragma once
+
+#include <algorithm>
+#include <type_traits>
+
+#include "gemm/expert_gemm.cuh"
+
+namespace mok {
+// xwgrad: the eXpert weight gradients (dW[e] = A_e^T B_e over an expert's token rows).
+namespace xwgrad {
+
+constexpr int WM = xgemm::WM;  // dW rows per task (64 per consumer warpgroup)
+constexpr int WN = 256;        // dW columns per task (wgmma N)
+constexpr int BK = xgemm::BK;  // token rows per stage
+constexpr int kABytes = xgemm::kWBytes, kBBytes = xgemm::kXBytes;  // 16 + 32 KB per stage
+
+// Shared memory: the ring (kStages of A and B), the output boxes, the ring barriers; the base is
+// 1024-aligned.
+struct Smem {
+  static constexpr int kStages = tuning::kWgradStages;
+  static constexpr int kOutPerWG = 4 * 64 * 128;  // four [64][64] bf16 boxes per consumer warpgroup
+  static constexpr int kOffOut = kStages * (kABytes + kBBytes);
+  static constexpr int kOffBarriers = kOffOut + 2 * kOutPerWG;
+  static constexpr int kOffColScales = kOffBarriers + 2 * kStages * 8;  // e4m3: a task's column scales per warpgroup
+  static constexpr int kBytes = kOffColScales + 2 * WN * 4 + 1024 /* alignment */;
+  uint8_t* base;
+  __device__ __forceinline__ uint8_t* w(int s) const { return base + s * kABytes; }
+  __device__ __forceinline__ uint8_t* x(int s) const { return base + kStages * kABytes + s * kBBytes; }
+  __device__ __forceinline__ uint8_t* out(int cw) const { return base + kOffOut + cw * kOutPerWG; }
+  __device__ __forceinline__ uint64_t* full(int s) const { return reinterpret_cast<uint64_t*>(base + kOffBarriers) + s; }
+  __device__ __forceinline__ uint64_t* empty(int s) const { return full(kStages + s); }
+  __device__ __forceinline__ float* col_scales(int cw) const {
+    return reinterpret_cast<float*>(base + kOffColScales) + cw * WN;
+  }
+};
+static_assert(Smem::kBytes <= 227 * 1024, "shared memory");
+
+__device__ __forceinline__ Smem carve_smem(uint8_t* raw) {
+  return Smem{reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023))};
+}
+
+struct Params {
+  const int* a_offsets;  // [nseg + 1]: expert e's first row in A
+  const int* b_offsets;  // [nseg + 1]: expert e's first row in B
+  const int* counts;     // [nseg]: real rows of expert e
+  int nseg;
+  int M, N;              // dW[e] is [M, N]
+  int m_blocks, n_blocks;
+  __nv_bfloat16* out;    // [nseg, M, N]
+};
+
+// Rows of expert e that enter the MMA: the real ones rounded up to kGroup (an MMA's K: 16 bf16, 32
+// e4m3 rows), inside both segments.
+template <int kGroup = 16>
+__device__ __forceinline__ int k_rows(const Params& p, int e) {
+  const int rows = max(0, min(p.counts[e], min(p.a_offsets[e + 1] - p.a_offsets[e], p.b_offsets[e + 1] - p.b_offsets[e])));
+  return (rows + kGroup - 1) / kGroup * kGroup;
+}
+
+struct Task {
+  int seg, mb, nb;
+};
+
+__device__ __forceinline__ int num_tasks(const Params& p) { return p.nseg * p.m_blocks * p.n_blocks; }
+
+// Expert-major, then 128-row block, then 256-column block (an expert's A and B stay in L2).
+__device__ __forceinline__ Task decode(const Params& p, int u) {
+  const int per = p.m_blocks * p.n_blocks;
+  return Task{u / per, (u % per) / p.n_blocks, u % p.n_blocks};
+}
+
+template <size_t... Is>
+__device__ __forceinline__ void wgmma_mn_mn(float (&d)[128], uint64_t da, uint64_t db, bool accumulate,
+                                            std::index_sequence<Is...>) {
+  using Atom = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::MN, cute::SM90::GMMA::Major::MN>;
+  Atom::fma(da, db, d[Is]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+
+template <size_t... Is>
+__device__ __forceinline__ void wgmma_e4m3_k(float (&d)[128], uint64_t da, uint64_t db, bool accumulate,
+                                             std::index_sequence<Is...>) {
+  using Atom = cute::SM90::GMMA::MMA_64x256x32_F32E4M3E4M3_SS_TN<>;
+  Atom::fma(da, db, d[Is]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+
+// How a stage's operands arrive and enter the MMA. Both layouts move 16 KB of A and 32 KB of B a
+// stage, so they share the ring.
+// Bf16Operands: the token-row-major operands themselves, 64 rows a stage as [64 rows][64 M] boxes
+// (MN-major), 16-row MMA groups.
+struct Bf16Operands {
+  static constexpr int kStageRows = BK, kGroup = 16;
+  template <class Ring>
+  static __device__ __forceinline__ void load(const Ring& sm, int s, const CUtensorMap* tmA, const CUtensorMap* tmB,
+                                              const Task& t, int a_row, int b_row) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) tma_load_2d(sm.w(s) + i * (kABytes / 2), tmA, sm.full(s), t.mb * WM + 64 * i, a_row);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) tma_load_2d(sm.x(s) + i * (kBBytes / 4), tmB, sm.full(s), t.nb * WN + 64 * i, b_row);
+  }
+  // 16-row group kk of stage s
+  template <class Ring>
+  static __device__ __forceinline__ void mma(const Ring& sm, int s, int cw, int kk, float (&acc)[128], bool accumulate) {
+    const uint64_t da = wgmma_desc_sw128_mn(sm.w(s) + cw * (kABytes / 2) + kk * 16 * 128);
+    const uint64_t db = wgmma_desc_sw128_mn(sm.x(s) + kk * 16 * 128);
+    wgmma_mn_mn(acc, da, db, accumulate, std::make_index_sequence<128>{});
+  }
+};
+
+// E4m3Operands (expert_wgrad_fp8): the operands' e4m3 transposes [M or N rows][tokens]
+// (quantize_columns_e4m3), 128 tokens a stage as [64 rows][128 tokens] boxes (K-major), 32-token
+// MMA groups.
+struct E4m3Operands {
+  static constexpr int kStageRows = 128, kGroup = 32;
+  template <class Ring>
+  static __device__ __forceinline__ void load(const Ring& sm, int s, const CUtensorMap* tmA, const CUtensorMap* tmB,
+                                              const Task& t, int a_row, int b_row) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) tma_load_2d(sm.w(s) + i * (kABytes / 2), tmA, sm.full(s), a_row, t.mb * WM + 64 * i);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) tma_load_2d(sm.x(s) + i * (kBBytes / 4), tmB, sm.full(s), b_row, t.nb * WN + 64 * i);
+  }
+  template <class Ring>
+  static __device__ __forceinline__ void mma(const Ring& sm, int s, int cw, int kk, float (&acc)[128], bool accumulate) {
+    const uint64_t da = wgmma_desc_sw128(sm.w(s) + cw * (kABytes / 2) + kk * 32);
+    const uint64_t db = wgmma_desc_sw128(sm.x(s) + kk * 32);
+    wgmma_e4m3_k(acc, da, db, accumulate, std::make_index_sequence<128>{});
+  }
+};
+
+// Producer thread: the task's stages (none for an expert without rows: its consumers take no
+// stage either, and store_task writes its zeros).
+template <class Ops = Bf16Operands, class Ring>
+__device__ __forceinline__ void produce_task(const Params& p, const CUtensorMap* tmA, const CUtensorMap* tmB,
+                                             const Ring& sm, const Task& t, uint32_t& it) {
+  constexpr int kStages = Ring::kStages;
+  const int nk = (k_rows<Ops::kGroup>(p, t.seg) + Ops::kStageRows - 1) / Ops::kStageRows;
+  const int a0 = p.a_offsets[t.seg], b0 = p.b_offsets[t.seg];
+  for (int kb = 0; kb < nk; ++kb, ++it) {
+    const int s = it % kStages;
+    gemm::ring_wait<false>(sm.empty(s), ((it / kStages) & 1) ^ 1, nullptr);
+    mbar_arrive_expect_tx(sm.full(s), kABytes + kBBytes);
+    Ops::load(sm, s, tmA, tmB, t, a0 + kb * Ops::kStageRows, b0 + kb * Ops::kStageRows);
+  }
+}
+
+// The first G MMA groups of stage s (accumulating onto acc unless this is the task's first).
+// The fence sits right before the wgmmas: no branch between them (ptxas would fence each, C7519).
+template <int G, class Ops, class Ring>
+__device__ __forceinline__ void issue_groups(const Ring& sm, int s, int cw, float (&acc)[128], bool accumulate) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < G; ++kk) Ops::mma(sm, s, cw, kk, acc, accumulate || kk > 0);
+}
+
+// A task's last stage with G < 4 groups, completed before the branches join.
+template <int G, class Ops, class Ring>
+__device__ __forceinline__ void tail_stage(const Ring& sm, int s, int cw, float (&acc)[128], bool accumulate) {
+  issue_groups<G, Ops>(sm, s, cw, acc, accumulate);
+  wgmma_commit();
+  wgmma_wait<0>();
+}
+
+// Consumer warpgroup cw: dW rows 64 cw .. 64 cw + 63 of the task against its 256 columns.
+template <class Ops = Bf16Operands, class Ring>
+__device__ __forceinline__ void mma_task(const Params& p, const Ring& sm, int cw, const Task& t, float (&acc)[128],
+                                         uint32_t& it) {
+  constexpr int kStages = Ring::kStages;
+  static_assert(Ops::kStageRows == 4 * Ops::kGroup, "four MMA groups a stage");
+  const int kr = k_rows<Ops::kGroup>(p, t.seg);  // 0 for an expert without rows: store_task writes zeros
+  const int full = kr / Ops::kStageRows, tail = (kr % Ops::kStageRows) / Ops::kGroup;
+  int prev = -1;
+  for (int kb = 0; kb < full; ++kb, ++it) {
+    const int s = it % kStages;
+    gemm::ring_wait<false>(sm.full(s), (it / kStages) & 1, nullptr);
+    issue_groups<4, Ops>(sm, s, cw, acc, kb > 0);
+    gemm::commit_and_release_previous<false>(prev, [&](int i) { return sm.empty(i); });
+    prev = s;
+  }
+  wgmma_wait<0>();
+  if (prev >= 0) gemm::release_stage<false>(sm.empty(prev));
+  if (tail > 0) {
+    // the last stage holds 1-3 MMA groups of the expert: one straight-line sequence per count,
+    // with nothing in flight across the branch
+    const int s = it % kStages;
+    gemm::ring_wait<false>(sm.full(s), (it / kStages) & 1, nullptr);
+    if (tail == 1) tail_stage<1, Ops>(sm, s, cw, acc, full > 0);
+    else if (tail == 2) tail_stage<2, Ops>(sm, s, cw, acc, full > 0);
+    else tail_stage<3, Ops>(sm, s, cw, acc, full > 0);
+    gemm::release_stage<false>(sm.empty(s));
+    ++it;
+  }
+  fence_regs(acc);
+}
+
+// Accumulator layout: acc[4 g + 2 s + h] holds dW row 16 w + l / 4 + 8 s, column 8 g + 2 q + h.
+
+// What the epilogue multiplies accumulator acc[4 g + i] by before rounding: nothing (bf16), or
+// (e4m3) a_scale[e][row] * b_scale[e][column] of its row and column (layout above); an expert's
+// operands carry one scale per row and expert, so the token sum needs no promotion. The task's
+// scales are loaded from global memory before its MMA (four registers a thread); the epilogue puts
+// the 256 column scales into the warpgroup's shared array (stage) and reads each 64-column slice's
+// 16 scales a thread at once (slice), so no load latency sits between the packing instructions.
+struct Unscaled {
+  struct Slice {
+    __device__ __forceinline__ float operator()(int, int, float v) const { return v; }
+  };
+  __device__ __forceinline__ void stage() const {}
+  __device__ __forceinline__ Slice slice(int) const { return {}; }
+};
+
+struct RowColumnScales {
+  float row[2];  // rows 16 w + lane / 4 (+ 8)
+  float col[2];  // columns tid and tid + 128 of the task (0 past N)
+  float* shared;  // the warpgroup's 256 column scales in shared memory
+  struct Slice {
+    float row[2];
+    float2 col[8];  // columns 8 j + 2 (lane % 4) (+ 1) of the slice
+    // acc[4 g + i], g = 8 sl + j
+    __device__ __forceinline__ float operator()(int j, int i, float v) const {
+      return v * row[i / 2] * (i % 2 ? col[j].y : col[j].x);
+    }
+  };
+  __device__ __forceinline__ void stage() const {
+    const int tid = threadIdx.x % 128;
+    shared[tid] = col[0];
+    shared[tid + 128] = col[1];
+  }
+  __device__ __forceinline__ Slice slice(int sl) const {
+    Slice s{{row[0], row[1]}, {}};
+    const int q2 = 2 * (threadIdx.x % 4);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) s.col[j] = *reinterpret_cast<const float2*>(shared + 64 * sl + 8 * j + q2);
+    return s;
+  }
+};
+
+// The epilogue's scales of task t for warpgroup cw: Unscaled (bf16), or the row and column scales
+// (e4m3), whose loads are issued here, before the task's MMA.
+template <class Ops, class Ring>
+__device__ __forceinline__ auto task_scales(const Params& p, const Ring& sm, const float* a_scale,
+                                            const float* b_scale, const Task& t, int cw) {
+  if constexpr (std::is_same_v<Ops, Bf16Operands>) {
+    return Unscaled{};
+  } else {
+    const int tid = threadIdx.x % 128;
+    const int r0 = t.mb * WM + cw * 64 + 16 * (tid / 32) + (tid % 32) / 4;
+    const float* sa = a_scale + static_cast<int64_t>(t.seg) * p.M;
+    const float* sb = b_scale + static_cast<int64_t>(t.seg) * p.N;
+    const int c0 = t.nb * WN + tid;
+    return RowColumnScales{{r0 < p.M ? __ldg(sa + r0) : 0.f, r0 + 8 < p.M ? __ldg(sa + r0 + 8) : 0.f},
+                           {c0 < p.N ? __ldg(sb + c0) : 0.f, c0 + 128 < p.N ? __ldg(sb + c0 + 128) : 0.f},
+                           sm.col_scales(cw)};
+  }
+}
+
+constexpr int kBoxBytes = 64 * 128;  // a [64 rows][64 columns] bf16 box of the TMA-store epilogues
+
+// Columns 64 sl .. 64 sl + 63 of the warpgroup's 64 x 256 half into one swizzled [64][64] box
+// (128-byte rows, 16-byte chunk c of row r at c ^ (r % 8), the TMA SWIZZLE_128B layout), or zeros:
+// tiles (g, 0), (g, 1), (g + 1, 0), (g + 1, 1) per instruction; lane 8 m + i addresses row
+// 16 w + 8 (m % 2) + i, 16-byte chunk g8 + m / 2 of the slice.
+template <class Slice>
+__device__ __forceinline__ void stage_box(uint32_t box, const float (&acc)[128], int sl, int w, int lane, bool zero,
+                                          const Slice& scale) {
+  if (zero) {
+    for (int i = threadIdx.x % 128; i < kBoxBytes / 16; i += 128)
+      asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};" ::"r"(box + 16 * i), "r"(0) : "memory");
+    return;
+  }
+#pragma unroll
+  for (int g8 = 0; g8 < 8; g8 += 2) {
+    const int g = 8 * sl + g8;
+    const int m = lane / 8;
+    const int row = 16 * w + 8 * (m % 2) + lane % 8;
+    const int chunk = g8 + m / 2;
+    float v[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = scale(g8 + i / 4, i % 4, acc[4 * g + i]);
+    xgemm::stmatrix_x4<false>(box + row * 128 + ((chunk ^ (row % 8)) << 4), gemm::bf16x2_bits(v[0], v[1]),
+                              gemm::bf16x2_bits(v[2], v[3]), gemm::bf16x2_bits(v[4], v[5]),
+                              gemm::bf16x2_bits(v[6], v[7]));
+  }
+}
+
+// TMA stores: the warpgroup's 64 x 256 half as four swizzled [64 rows][64 columns] boxes (128-byte
+// rows, 16-byte chunk c of row r at c ^ (r % 8), the TMA SWIZZLE_128B layout), stored into out
+// viewed as [nseg][M][N] (rows past M, columns past N are not written).
+template <class Ring, class Scale = Unscaled>
+__device__ __forceinline__ void store_task_tma(const Params& p, const Ring& sm, const CUtensorMap* tmOut,
+                                               const Task& t, int cw, const float (&acc)[128],
+                                               const Scale& scale = Scale{}) {
+  const int tid = threadIdx.x % 128;
+  const int w = tid / 32, lane = tid % 32;
+  const int bar = 2 + cw;
+  const uint32_t boxes = smem_u32(sm.out(cw));
+  scale.stage();  // the previous task's slices were read before its closing barrier
+  if (tid == 0) bulk_wait_read_all();  // TMA has read the previous task's boxes
+  warpgroup_bar_sync(bar);
+  const bool zero = k_rows(p, t.seg) == 0;  // an expert without rows: exact zeros, the accumulators unread
+#pragma unroll
+  for (int sl = 0; sl < WN / 64; ++sl)
+    stage_box(boxes + sl * kBoxBytes, acc, sl, w, lane, zero, scale.slice(sl));
+  fence_proxy_async_shared();
+  warpgroup_bar_sync(bar);
+  if (tid == 0) {
+#pragma unroll
+    for (int i = 0; i < WN / 64; ++i)
+      tma_store_3d(tmOut, sm.out(cw) + i * kBoxBytes, t.nb * WN + 64 * i, t.mb * WM + cw * 64, t.seg);
+    bulk_commit_group();
+  }
+}
+
+// ---- host side -----------------------------------------------------------------------------------
+
+inline Params make_params(const int* a_offsets, const int* b_offsets, const int* counts, int nseg, int M, int N,
+                          void* out) {
+  Params p{};
+  p.a_offsets = a_offsets;
+  p.b_offsets = b_offsets;
+  p.counts = counts;
+  p.nseg = nseg;
+  p.M = M;
+  p.N = N;
+  p.m_blocks = (M + WM - 1) / WM;
+  p.n_blocks = (N + WN - 1) / WN;
+  p.out = static_cast<__nv_bfloat16*>(out);
+  return p;
+}
+
+// out viewed as [nseg][M][N] in boxes of 64 x 64 (the TMA-store epilogues; rows past M stay in
+// their expert).
+inline const char* make_out_map(CUtensorMap* map, void* out, int nseg, int M, int N) {
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(N), static_cast<cuuint64_t>(M), static_cast<cuuint64_t>(nseg)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(N) * 2, static_cast<cuuint64_t>(M) * N * 2};
+  const cuuint32_t box[3] = {64, 64, 1};
+  return encode_tmap_bf16(map, out, 3, dims, strides, box);
+}
+
+// The operands [a_rows, M] and [b_rows, N] in boxes of 64 rows (K) x 64 columns (MN-major).
+inline const char* make_operand_maps(CUtensorMap* tmA, CUtensorMap* tmB, const void* a, int64_t a_rows, int M,
+                                     const void* b, int64_t b_rows, int N) {
+  if (const char* m = make_tmap_bf16_2d(tmA, a, std::max<int64_t>(a_rows, 1), M, M, BK)) return m;
+  return make_tmap_bf16_2d(tmB, b, std::max<int64_t>(b_rows, 1), N, N, BK);
+}
+
+// expert_wgrad_fp8's operands [rows, ld] e4m3 (rows = M or N, tokens contiguous) in boxes of 64
+// rows x 128 tokens (K-major).
+inline const char* make_e4m3_operand_maps(CUtensorMap* tmA, CUtensorMap* tmB, const void* a_t, int M,
+                                          const void* b_t, int N, int64_t ld) {
+  if (const char* m = make_tmap_e4m3_2d(tmA, a_t, M, ld, 64)) return m;
+  return make_tmap_e4m3_2d(tmB, b_t, N, ld, 64);
+}
+
+}  // namespace xwgrad
+}  // namespace mok

@@ -1,0 +1,75 @@
+"""Dispatch: every routed row pulls its token row from the source rank's symmetric buffer.
+
+bf16: x is copied into this rank's symmetric x buffer, a device barrier, then the pull
+(csrc/kernels/comm/dispatch.cu). fp8: x is quantized into symmetric e4m3 rows and scale rows
+(one scale per row and 128 columns), a barrier, then the pull moves half the bytes and writes the
+scales straight into the layout the e4m3 GEMMs read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import fp8, ops
+from ..config import MoKConfig
+from ..schedule import MoKSchedule
+from ..workspace import MoKWorkspace
+from .comm import comm
+
+
+def publish_bf16(cfg: MoKConfig, ws: MoKWorkspace, x: torch.Tensor) -> list[int]:
+    """x into this rank's symmetric buffer, then a device barrier; returns the peers' addresses."""
+    c = comm(ws)
+    xs, x_ptrs = c.buffer("x", (ws.num_tokens, ws.hidden), torch.bfloat16)
+    xs.copy_(x)
+    ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
+    return x_ptrs
+
+
+def dispatch_bf16(ws: MoKWorkspace, sched: MoKSchedule, x_ptrs: list[int], comm_ctas: int = 0) -> torch.Tensor:
+    """x_routed [cap, H] bf16 pulled from the peers (padding rows zero)."""
+    x_routed = torch.empty((sched.capacity, ws.hidden), dtype=torch.bfloat16, device=ws.device)
+    ops.dispatch(sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, x_routed, x_ptrs, ws.topk, comm_ctas)
+    return x_routed
+
+
+def _x_e4m3_buffers(ws: MoKWorkspace):
+    """This rank's rows as ``publish_e4m3`` quantizes them: the symmetric e4m3 row and scale-row
+    buffers ((tensor, peer addresses) each) and the scale pitch in floats."""
+    c = comm(ws)
+    T, H = ws.num_tokens, ws.hidden
+    pitch = -(-(H // fp8.BLOCK) // 4) * 4  # whole 16-byte row pieces for the row copies
+    # the row copies move bf16 pairs: e4m3 bytes and fp32 scales ride as bf16-typed rows
+    return c.buffer("x_e4m3", (T, H // 2), torch.bfloat16), c.buffer("x_scale", (T, 2 * pitch), torch.bfloat16), pitch
+
+
+def publish_e4m3(cfg: MoKConfig, ws: MoKWorkspace, x: torch.Tensor):
+    """Quantize this rank's rows into its symmetric buffers, then a device barrier. Returns
+    ((e4m3 rows, peer addresses), (scale rows, peer addresses), scale pitch in floats)."""
+    c = comm(ws)
+    rows, scales, pitch = _x_e4m3_buffers(ws)
+    ops.quantize_rows_e4m3_into(x.contiguous(), rows[0].view(torch.float8_e4m3fn), scales[0].view(torch.float32),
+                                scale_rows=True)
+    ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
+    return rows, scales, pitch
+
+
+def published_x_e4m3(ws: MoKWorkspace) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x e4m3 [T, H], scales [H / 128, ld]) of this rank from ``publish_e4m3``'s buffers, for the
+    shared expert's e4m3 GEMM (valid until the forward's closing barrier)."""
+    (q_sym, _), (s_sym, _), _ = _x_e4m3_buffers(ws)
+    scale_rows = s_sym.view(torch.float32)
+    nkb, rows = ws.hidden // fp8.BLOCK, scale_rows.shape[0]
+    scales = torch.empty((nkb, -(-rows // 4) * 4), dtype=torch.float32, device=scale_rows.device)
+    scales[:, :rows].copy_(scale_rows[:, :nkb].t())
+    return q_sym.view(torch.float8_e4m3fn), scales
+
+
+def dispatch_e4m3(ws: MoKWorkspace, sched: MoKSchedule, published, comm_ctas: int = 0):
+    """Pull the e4m3 rows and their scales (``publish_e4m3``'s answer). Returns (x_e4m3 [cap, H],
+    x_scale [H / 128, ld] fp32, the layout ``expert_gemm_fp8`` reads)."""
+    (_, q_ptrs), (_, s_ptrs), pitch = published
+    q_routed, s_routed = ops.empty_rows_e4m3(sched.capacity, ws.hidden, ws.device)
+    ops.dispatch_e4m3(sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, q_routed, s_routed, q_ptrs, s_ptrs,
+                      pitch, ws.topk, comm_ctas)
+    return q_routed, s_routed

@@ -1,0 +1,184 @@
+"""The expert GEMMs of both passes on the one GEMM core (csrc/kernels/gemm/).
+
+Routed experts run expert-major (the weights on wgmma's M side, up to 256 of an expert's token rows
+on its N side); the shared expert runs as token-major tiles in bf16, or in e4m3 as one segment of
+T rows on the routed kernels. SwiGLU is fused into the gate/up GEMM's epilogue, the SwiGLU backward
+into the down projection's dgrad. Every output element is owned by one task and reduced in
+ascending K order, so no launch geometry changes a bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import fp8, ops
+from ..config import MoKConfig
+from ..schedule import MoKSchedule
+from ..workspace import MoKWorkspace
+from .comm import comm
+from .context import KernelContext
+from .dispatch import published_x_e4m3
+
+# ---- weights ------------------------------------------------------------------------------------
+
+
+def quantize_expert_weights(fc1, fc2, transposed: bool = False, shared_fc1=None,
+                            shared_fc2=None) -> fp8.FP8ExpertWeights:
+    """``fp8.quantize_expert_weights`` on the device (the same bits). transposed: also the copies the
+    backward's e4m3 dgrads read, from the same pass; shared_fc1/shared_fc2: the shared expert's too."""
+    with torch.no_grad():
+        w1 = ops.quantize_weight_e4m3(fc1.contiguous(), True, transposed)
+        w2 = ops.quantize_weight_e4m3(fc2.contiguous(), False, transposed)
+    if not transposed:
+        out = fp8.FP8ExpertWeights(fp8.E4M3Weight(*w1, swiglu=True), fp8.E4M3Weight(*w2, swiglu=False))
+    else:
+        out = fp8.FP8ExpertWeights(fp8.E4M3Weight(*w1[:2], swiglu=True), fp8.E4M3Weight(*w2[:2], swiglu=False),
+                                   fp8.E4M3Weight(*w1[2:], swiglu=False), fp8.E4M3Weight(*w2[2:], swiglu=False))
+    if fp8.shared_in_e4m3(shared_fc1) and shared_fc2 is not None:
+        out.shared = fp8.FP8ExpertWeights(*_shared_weights_e4m3(shared_fc1, shared_fc2))
+    return out
+
+
+def _shared_weights_e4m3(shared_fc1, shared_fc2=None) -> tuple[fp8.E4M3Weight, fp8.E4M3Weight | None]:
+    """The shared expert's fc1 and fc2 (None: not quantized) in e4m3, as one-expert stacks."""
+    with torch.no_grad():
+        w1 = fp8.E4M3Weight(*ops.quantize_weight_e4m3(shared_fc1.contiguous().unsqueeze(0), True), swiglu=True)
+        if shared_fc2 is None:
+            return w1, None
+        w2 = ops.quantize_weight_e4m3(shared_fc2.contiguous().unsqueeze(0), False)
+    return w1, fp8.E4M3Weight(*w2, swiglu=False)
+
+
+def shared_e4m3(cfg: MoKConfig, ws: MoKWorkspace, shared_fc1, shared_fc2=None, fp8_weights=None):
+    """(segment, e4m3 fc1, e4m3 fc2) of the shared expert when the forward runs it on e4m3 operands
+    (weights from ``fp8_weights`` when it holds them, else quantized here; shared_fc2 None: fc1's
+    only), else Nones."""
+    if shared_fc1 is None or cfg.shared_precision != "fp8" or not fp8.shared_in_e4m3(shared_fc1):
+        return None, None, None
+    w = fp8_weights.shared_for(shared_fc1, shared_fc2) if fp8_weights is not None else None
+    return (comm(ws).shared_seg,
+            *((w.fc1, w.fc2) if w is not None else _shared_weights_e4m3(shared_fc1, shared_fc2)))
+
+
+# ---- forward ------------------------------------------------------------------------------------
+
+
+def shared_gate_up(ws: MoKWorkspace, x, shared_fc1, keep_gate_up: bool, gemm_ctas: int = 0, seg=None, w8=None):
+    """The shared expert's gate/up GEMM with SwiGLU: (shared_act [T, Is], shared_h [T, 2 Is] or None).
+    seg (``shared_e4m3``): on e4m3 operands (x as ``publish_e4m3`` quantized it), one segment of T
+    rows; h is then always kept."""
+    T = x.shape[0]
+    bf16 = dict(dtype=torch.bfloat16, device=x.device)
+    shared_act = torch.empty((T, shared_fc1.shape[0] // 2), **bf16)
+    shared_h = torch.empty((T, shared_fc1.shape[0]), **bf16) if keep_gate_up or seg is not None else None
+    if seg is not None:
+        xq, xs = published_x_e4m3(ws)
+        ops.expert_gemm_fp8(xq, xs, w8.q, w8.scale, seg[:2], seg[2:], shared_act, True, pre_out=shared_h,
+                            num_ctas=gemm_ctas)
+    else:
+        ops.grouped_gemm(x.contiguous(), shared_fc1.contiguous(), None, shared_act, True, gemm_ctas, pre_out=shared_h)
+    return shared_act, shared_h
+
+
+def shared_down(shared_act, shared_fc2, gemm_ctas: int = 0, seg=None, w8=None) -> torch.Tensor:
+    """The shared expert's down GEMM: shared_y [T, H]; seg: on e4m3 operands (``shared_gate_up``)."""
+    shared_fc2 = shared_fc2.contiguous()
+    shared_y = torch.empty((shared_act.shape[0], shared_fc2.shape[0]), dtype=torch.bfloat16,
+                           device=shared_act.device)
+    if seg is not None:
+        aq, as_ = ops.quantize_rows_e4m3(shared_act)
+        ops.expert_gemm_fp8(aq, as_, w8.q, w8.scale, seg[:2], seg[2:], shared_y, False, num_ctas=gemm_ctas)
+    else:
+        ops.grouped_gemm(shared_act, shared_fc2, None, shared_y, False, gemm_ctas)
+    return shared_y
+
+
+def routed_bf16(sched: MoKSchedule, x_routed, fc1, fc2, act, h, y_routed, gemm_ctas: int = 0) -> None:
+    """act = SwiGLU(x_routed @ fc1[e]^T) (h: also the pre-activations), y_routed = act @ fc2[e]^T."""
+    ops.grouped_gemm(x_routed, fc1.contiguous(), sched.expert_offsets, act, True, gemm_ctas, sched.expert_counts,
+                     pre_out=h)
+    ops.grouped_gemm(act, fc2.contiguous(), sched.expert_offsets, y_routed, False, gemm_ctas, sched.expert_counts)
+
+
+def routed_fp8(sched: MoKSchedule, x_e4m3, x_scale, w8, act, h, y_routed, gemm_ctas: int = 0, push=None) -> None:
+    """The routed gate/up and down GEMMs on block-scaled e4m3 operands (the SwiGLU output quantized
+    per row and 128 columns up to the last segment's end); outputs bf16. push (the peers' combine
+    buffers): the down GEMM's epilogue also does the combine's stores."""
+    ops.expert_gemm_fp8(x_e4m3, x_scale, w8.fc1.q, w8.fc1.scale, sched.expert_offsets, sched.expert_counts, act, True,
+                        pre_out=h, num_ctas=gemm_ctas)
+    aq, as_ = ops.quantize_rows_e4m3(act, sched.expert_offsets[-1:])
+    ops.expert_gemm_fp8(aq, as_, w8.fc2.q, w8.fc2.scale, sched.expert_offsets, sched.expert_counts, y_routed, False,
+                        num_ctas=gemm_ctas,
+                        push=None if push is None else (sched.row_src_rank, sched.row_src_slot, push))
+
+
+def recompute_gate_up(a: torch.Tensor, fc1: torch.Tensor, sched: MoKSchedule | None) -> torch.Tensor:
+    """The gate/up pre-activations a forward did not keep, from the forward's own SwiGLU GEMM (its
+    tile layout and K order, so they carry the forward's bits); the activation is discarded."""
+    two_i = fc1.shape[-2]
+    h = torch.empty((a.shape[0], two_i), dtype=torch.bfloat16, device=a.device)
+    act = torch.empty((a.shape[0], two_i // 2), dtype=torch.bfloat16, device=a.device)
+    if sched is None:
+        ops.grouped_gemm(a, fc1, None, act, True, pre_out=h)
+    else:
+        ops.grouped_gemm(a, fc1, sched.expert_offsets, act, True, 0, sched.expert_counts, pre_out=h)
+    return h
+
+
+# ---- backward -----------------------------------------------------------------------------------
+
+
+def routed_dgrads_bf16(dy, fc1, fc2, offsets, counts, h, dh, dx_rows, dh_done=None) -> None:
+    """dh = SwiGLU'(h, dy @ fc2[e]) (fused in the first GEMM's epilogue), dx_rows = dh @ fc1[e]; the
+    expert-major GEMM reads the weights MN-major. dh_done: called once dh is written."""
+    ops.expert_dgrad(dy, fc2, offsets, counts, dh, h=h)
+    if dh_done is not None:
+        dh_done()
+    ops.expert_dgrad(dh, fc1, offsets, counts, dx_rows)
+
+
+def routed_dgrads_fp8(w8, dyq, dys, h, offsets, counts, dh, dx_rows, push=None, dh_done=None) -> None:
+    """The routed dgrads on block-scaled e4m3 operands: dh = SwiGLU'(h, dy @ fc2[e]) from dy in
+    e4m3 (quantized by the pull) against fc2's transposed copy, then dx_rows = dh @ fc1[e] from dh's
+    e4m3 copy (written by the first GEMM's epilogue, gate/up pair blocks) against fc1's transposed
+    copy. push = (row_src_rank, row_src_slot, peer slot buffers): the second GEMM's epilogue also
+    stores the dx rows into their source slots. dh_done: called once dh is written."""
+    dhq, dhs = ops.empty_rows_e4m3(*dh.shape, dh.device)
+    ops.expert_gemm_fp8(dyq, dys, w8.fc2_t.q, w8.fc2_t.scale, offsets, counts, dh, False, h=h, dh_e4m3=(dhq, dhs))
+    if dh_done is not None:
+        dh_done()
+    ops.expert_gemm_fp8(dhq, dhs, w8.fc1_t.q, w8.fc1_t.scale, offsets, counts, dx_rows, False, push=push)
+
+
+def wgrad_operands_e4m3(ctx: KernelContext, sched: MoKSchedule) -> tuple:
+    """The e4m3 weight gradients' operands that the forward left: act and the dispatched rows (from
+    their e4m3 copy when the context keeps no bf16 rows), transposed into e4m3 with one scale per
+    (expert, column): (act_t, act_scale, x_t, x_scale)."""
+    offsets, counts = sched.expert_offsets, sched.expert_counts
+    act_t, act_s = ops.quantize_columns_e4m3(ctx.act, offsets, counts)
+    if ctx.x_routed is not None:
+        x_t, x_s = ops.quantize_columns_e4m3(ctx.x_routed, offsets, counts)
+    else:
+        x_t, x_s = ops.quantize_columns_e4m3(ctx.x_e4m3, offsets, counts, x_scale=ctx.x_scale)
+    return act_t, act_s, x_t, x_s
+
+
+def shared_backward(ws: MoKWorkspace, ctx: KernelContext, g, x, shared_fc1, shared_fc2):
+    """(dsfc1, dsfc2, shared_dx) of the shared expert on the expert-major GEMMs, the shared expert
+    being one segment of T rows."""
+    shared_fc1, shared_fc2 = shared_fc1.contiguous(), shared_fc2.contiguous()
+    T, H, Is = g.shape[0], g.shape[1], shared_fc1.shape[0] // 2
+    seg = comm(ws).shared_seg
+    offs, count = seg[:2], seg[2:]
+    bf16 = dict(dtype=torch.bfloat16, device=g.device)
+    hs = ctx.shared_h if ctx.shared_h is not None else recompute_gate_up(x, shared_fc1, None)
+    dhs = torch.empty((T, 2 * Is), **bf16)
+    ops.expert_dgrad(g, shared_fc2.view(1, H, Is), offs, count, dhs, h=hs)
+    del hs
+    shared_dx = torch.empty((T, H), **bf16)
+    ops.expert_dgrad(dhs, shared_fc1.view(1, 2 * Is, H), offs, count, shared_dx)
+    dsfc2 = torch.empty((1, H, Is), **bf16)
+    ops.expert_wgrad(g, offs, ctx.shared_act, offs, count, dsfc2)
+    dsfc1 = torch.empty((1, 2 * Is, H), **bf16)
+    ops.expert_wgrad(dhs, offs, x, offs, count, dsfc1)
+    return dsfc1[0], dsfc2[0], shared_dx
