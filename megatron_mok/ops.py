@@ -97,12 +97,14 @@ def barrier_open(state, peer_flags: list[int], rank: int) -> None:
 
 def build_schedule(*, top_experts, routing_buf, state, errors, top_all, row_src_rank, row_src_slot, expert_counts,
                    expert_offsets, scratch, peer_bufs: list[int], peer_flags: list[int], rank: int, num_experts: int,
-                   timeout_s: float) -> None:
+                   timeout_s: float, header: list[int] | None = None) -> None:
     """Routing all-gather by peer stores (into ``peer_bufs``; ``routing_buf`` is this rank's), the
-    barrier that completes it, and this rank's schedule: one launch."""
+    barrier that completes it, and this rank's schedule: one launch. ``header``: the call's header
+    (megatron_mok/header.py; the barrier buffers then hold ``header.barrier_flag_ints(ep)`` ints),
+    compared across the ranks by the barrier (``errors[HEADER_MISMATCH]``); None: no check."""
     _ops().build_schedule(top_experts, routing_buf, state, errors, top_all, row_src_rank, row_src_slot,
                           expert_counts, expert_offsets, scratch, peer_bufs, peer_flags, rank, num_experts,
-                          float(timeout_s))
+                          float(timeout_s), list(header or []))
 
 
 def dispatch(row_src_rank, row_src_slot, expert_offsets, x_routed, peer_x: list[int], topk: int,
@@ -245,10 +247,12 @@ def megakernel_timeline(records=None) -> None:
 
 
 def bwd_publish(grad_out, g_dst, probs, p_dst, state, errors, peer_flags: list[int], rank: int,
-                timeout_s: float) -> None:
+                timeout_s: float, header: list[int] | None = None) -> None:
     """``g_dst`` <- ``grad_out`` (bf16 [T, H]) and ``p_dst`` <- ``probs`` (fp32 [T, k]): this rank's
-    symmetric buffers; then a device barrier (one launch)."""
-    _ops().bwd_publish(grad_out, g_dst, probs, p_dst, state, errors, peer_flags, rank, float(timeout_s))
+    symmetric buffers; then a device barrier (one launch) that carries ``header`` like
+    ``build_schedule``'s (None: no check)."""
+    _ops().bwd_publish(grad_out, g_dst, probs, p_dst, state, errors, peer_flags, rank, float(timeout_s),
+                       list(header or []))
 
 
 def bwd_pull(row_src_rank, row_src_slot, expert_offsets, y_routed, dy, peer_g: list[int], peer_p: list[int],

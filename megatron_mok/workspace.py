@@ -57,7 +57,10 @@ class ErrorCode(enum.IntEnum):
     NONFINITE_PROBS = 3  # value: 1 + token index
     PEER_TIMEOUT = 4  # value: 1 + the peer rank that stalled
     KERNEL_STALL = 5  # value: 1 + the rank whose kernel-internal wait gave up (megakernel watchdog)
-    NUM_CODES = 6
+    # value: 1 + word + 8 * (site + 2 * peer): a peer's per-call header differs (megatron_mok/header.py)
+    HEADER_MISMATCH = 6
+    HEADER_VALUE = 7  # value: that peer's value of that header word
+    NUM_CODES = 8
 
 
 def _group_key(group: dist.ProcessGroup | None) -> Any:
@@ -91,6 +94,9 @@ class MoKWorkspace:
     # MoKSchedule carries both (schedule.stamp_schedule), so a stale or foreign one is caught.
     uid: int = dataclasses.field(default_factory=lambda: next(_WORKSPACE_UIDS))
     schedule_step: int = 0
+    # The per-call header this rank last sent from each site (megatron_mok/header.py), for the
+    # message of a header mismatch.
+    call_headers: dict = dataclasses.field(default_factory=dict)
 
     @property
     def peer_timeout_s(self) -> float:
@@ -133,6 +139,12 @@ class MoKWorkspace:
         v = [int(x) for x in values.tolist()]
         if any(v):
             self.errors.zero_()  # reported once; the workspace stays usable for fixed inputs
+        if v[ErrorCode.HEADER_MISMATCH]:  # first: everything else a mismatched call flags follows from it
+            from .header import decode_mismatch, mismatch_message
+
+            site = decode_mismatch(v[ErrorCode.HEADER_MISMATCH])[1]
+            raise MoKInputError(mismatch_message(v[ErrorCode.HEADER_MISMATCH], v[ErrorCode.HEADER_VALUE], self.rank,
+                                                 self.call_headers.get(site)))
         if v[ErrorCode.EXPERT_ID_OUT_OF_RANGE]:
             raise MoKInputError(
                 f"top_experts holds an expert id outside [0, {self.num_experts}) "

@@ -91,10 +91,10 @@ run_pytest() {  # name, timeout, pytest args...
 }
 
 if stage test1; then
-  run_pytest test1 "${T1_LIMIT:-300}" tests/gpu/test_kernels_1gpu.py tests/gpu/test_backward_1gpu.py tests/gpu/test_fp8_1gpu.py
+  run_pytest test1 "${T1_LIMIT:-300}" tests/gpu/test_*_1gpu.py
 fi
 if stage test2; then
-  if [[ "$NGPU" -ge 2 ]]; then run_pytest test2 "${T2_LIMIT:-300}" -s tests/gpu/test_kernels_2gpu.py tests/gpu/test_backward_2gpu.py
+  if [[ "$NGPU" -ge 2 ]]; then run_pytest test2 "${T2_LIMIT:-300}" -s tests/gpu/test_*_2gpu.py
   else RESULT[test2]="skipped (1 GPU)"; fi
 fi
 

@@ -7,7 +7,8 @@ namespace {
 using namespace mok_bindings;
 
 void bwd_publish(const Tensor& grad_out, Tensor& g_dst, const Tensor& probs, Tensor& p_dst, Tensor& state,
-                 Tensor& errors, std::vector<int64_t> peer_flags, int64_t rank, double timeout_s) {
+                 Tensor& errors, std::vector<int64_t> peer_flags, int64_t rank, double timeout_s,
+                 std::vector<int64_t> header) {
   check_cuda(grad_out, "grad_out", at::kBFloat16);
   check_cuda(g_dst, "grad_out buffer", at::kBFloat16);
   check_cuda(probs, "probs", at::kFloat);
@@ -21,7 +22,7 @@ void bwd_publish(const Tensor& grad_out, Tensor& g_dst, const Tensor& probs, Ten
                                 probs.data_ptr(), p_dst.data_ptr(), static_cast<int64_t>(probs.nbytes()),
                                 peers(peer_flags, "peer_flags"), state.data_ptr<int>(), errors.data_ptr<int>(),
                                 static_cast<int>(rank), static_cast<int>(peer_flags.size()), timeout_ns_of(timeout_s),
-                                current_stream()));
+                                call_header(header), current_stream()));
 }
 
 void bwd_pull(const Tensor& row_src_rank, const Tensor& row_src_slot, const Tensor& expert_offsets,
@@ -106,7 +107,7 @@ void bwd_epilogue_wait(const Tensor& slots, const Tensor& dw_slots, const std::o
 TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
   m.def(
       "bwd_publish(Tensor grad_out, Tensor(a!) g_dst, Tensor probs, Tensor(b!) p_dst, Tensor(c!) state, "
-      "Tensor(d!) errors, int[] peer_flags, int rank, float timeout_s) -> ()");
+      "Tensor(d!) errors, int[] peer_flags, int rank, float timeout_s, int[] header=[]) -> ()");
   m.def(
       "bwd_pull(Tensor row_src_rank, Tensor row_src_slot, Tensor expert_offsets, Tensor y_routed, Tensor(a!) dy, "
       "int[] peer_g, int[] peer_p, int[] peer_dw, int topk, int num_ctas, Tensor(b!)? q=None, "

@@ -7,6 +7,7 @@
 // torch symmetric memory handles on the Python side; they are passed to the kernels by value.
 #pragma once
 
+#include <cstdint>
 #include <cstdio>
 #include <optional>
 #include <string>
@@ -56,6 +57,22 @@ inline mok::PeerPtrs peers(const std::vector<int64_t>& ptrs, const char* name) {
     p.p[i] = reinterpret_cast<void*>(ptrs[i]);
   }
   return p;
+}
+
+// The call header of a barrier (mok::CallHeader): empty -> none; else kHeaderWords int32 values,
+// the first (the magic) nonzero. The barrier buffers must then hold mok::barrier_flag_ints(ep) ints.
+inline mok::CallHeader call_header(const std::vector<int64_t>& words) {
+  mok::CallHeader h{};
+  if (words.empty()) return h;
+  MOK_CHECK(words.size() == static_cast<size_t>(mok::kHeaderWords), "megatron_mok: header must hold %d words, got %zu",
+            static_cast<int>(mok::kHeaderWords), words.size());
+  for (size_t i = 0; i < words.size(); ++i) {
+    TORCH_CHECK(words[i] >= INT32_MIN && words[i] <= INT32_MAX, "megatron_mok: header word ", i, " (", words[i],
+                ") does not fit int32");
+    h.words[i] = static_cast<int>(words[i]);
+  }
+  TORCH_CHECK(h.words[0] != 0, "megatron_mok: header word 0 (the magic) must be nonzero");
+  return h;
 }
 
 inline uint64_t timeout_ns_of(double timeout_s) {

@@ -7,10 +7,11 @@ using namespace mok_bindings;
 
 // Routing all-gather (peer stores into every rank's routing buffer), barrier, and the schedule: one
 // launch. routing_buf: this rank's [2, ep, T, k] buffer (peer_bufs[rank] maps the same memory).
+// header: the call's header (mok::CallHeader; empty: none), carried by the barrier.
 void build_schedule(const Tensor& top_experts, Tensor& routing_buf, Tensor& state, Tensor& errors, Tensor& top_all,
                     Tensor& row_src_rank, Tensor& row_src_slot, Tensor& expert_counts, Tensor& expert_offsets,
                     Tensor& scratch, std::vector<int64_t> peer_bufs, std::vector<int64_t> peer_flags, int64_t rank,
-                    int64_t num_experts, double timeout_s) {
+                    int64_t num_experts, double timeout_s, std::vector<int64_t> header) {
   TORCH_CHECK(top_experts.is_cuda() && top_experts.is_contiguous(), "megatron_mok: top_experts must be contiguous CUDA");
   TORCH_CHECK(top_experts.scalar_type() == at::kInt || top_experts.scalar_type() == at::kLong,
               "megatron_mok: top_experts must be int32 or int64");
@@ -34,7 +35,8 @@ void build_schedule(const Tensor& top_experts, Tensor& routing_buf, Tensor& stat
                              top_all.data_ptr<int>(), row_src_rank.data_ptr<int>(), row_src_slot.data_ptr<int>(),
                              expert_counts.data_ptr<int>(), expert_offsets.data_ptr<int>(), scratch.data_ptr<int>(),
                              static_cast<int>(rank), ep, T, k, nle, static_cast<int>(num_experts),
-                             static_cast<int>(row_src_rank.numel()), timeout_ns_of(timeout_s), current_stream()));
+                             static_cast<int>(row_src_rank.numel()), timeout_ns_of(timeout_s), call_header(header),
+                             current_stream()));
 }
 
 }  // namespace
@@ -44,7 +46,7 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
       "build_schedule(Tensor top_experts, Tensor(a!) routing_buf, Tensor(b!) state, Tensor(c!) errors, "
       "Tensor(d!) top_all, Tensor(e!) row_src_rank, Tensor(f!) row_src_slot, Tensor(g!) expert_counts, "
       "Tensor(h!) expert_offsets, Tensor(i!) scratch, int[] peer_bufs, int[] peer_flags, int rank, int num_experts, "
-      "float timeout_s) -> ()");
+      "float timeout_s, int[] header=[]) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {

@@ -26,6 +26,23 @@ struct PeerPtrs {
   void* p[kMaxPeers];
 };
 
+// The per-call header (issue #33): the values of a call that can change between calls (T, H, k, E,
+// capacity, dtype, precision; words[0] a nonzero magic), known on the host at launch. The first
+// device barrier of a call (the schedule's, bwd_publish's) stores it into this rank's slot of every
+// peer's barrier buffer before its epoch, and compares every rank's slot with its own after the wait;
+// a mismatch sets errors[kErrHeaderMismatch] = 1 + word + kHeaderWords * (site + 2 * peer) (site 0:
+// the schedule, 1: bwd_publish; the lowest disagreeing peer, then word) and errors[kErrHeaderValue] =
+// the peer's word. words[0] == 0: no header (nothing stored or compared).
+constexpr int kHeaderWords = 8;
+constexpr int kHeaderRegions = 3;  // 0, 1: the schedule (its routing double-buffer half); 2: bwd_publish
+struct CallHeader {
+  int words[kHeaderWords];
+};
+
+// int32 elements of a barrier buffer with header regions: ep epoch slots, then
+// [kHeaderRegions][ep][kHeaderWords] headers (rank q's header in slot q of every peer's buffer).
+inline int64_t barrier_flag_ints(int ep) { return ep + static_cast<int64_t>(kHeaderRegions) * ep * kHeaderWords; }
+
 // Indices of the per-workspace int32 `state` tensor (local, not symmetric).
 enum StateSlot : int {
   kStateBarrierEpoch = 0,  // barriers this rank has entered (monotonic epoch)
@@ -69,12 +86,13 @@ int64_t schedule_scratch_ints(int ep, int T, int nle, int num_experts);
 // double-buffer bump); then top_all [ep, T, k] (a copy), row_src_rank / row_src_slot [capacity],
 // expert_counts [nle], expert_offsets [nle + 1]. Flags bad expert ids, duplicates and capacity
 // overflow (of any rank) into errors; a stalled in-kernel wait sets errors[kErrKernelStall] =
-// 1 + rank and ends the kernel.
+// 1 + rank and ends the kernel. header (words[0] != 0): the call's header rides on the barrier
+// (CallHeader; flags buffers of barrier_flag_ints(ep) ints).
 const char* launch_schedule(const void* top_experts, bool is_int64, const int* routing_buf, const PeerPtrs& route_bufs,
                             const PeerPtrs& flags, int* state, int* errors, int* top_all, int* row_src_rank,
                             int* row_src_slot, int* expert_counts, int* expert_offsets, int* scratch, int rank, int ep,
                             int T, int k, int nle, int num_experts, int capacity, uint64_t timeout_ns,
-                            cudaStream_t stream);
+                            const CallHeader& header, cudaStream_t stream);
 
 // Pull-dispatch: routed row i (i < min(expert_offsets[nle], capacity)) <- row
 // row_src_slot[i] / k of rank row_src_rank[i]'s symmetric x [T, H]; padding rows are zeroed.
@@ -207,10 +225,11 @@ const char* launch_quantize_columns_e4m3(const void* x, bool x_e4m3, const float
 // ---- passes/backward.cu: the staged backward's transfers ------------------------------------
 
 // g_dst <- g (grad_out [T, H] bf16, 16-byte aligned), p_dst <- p (probs [T, k] fp32): this rank's
-// symmetric buffers; then the last block runs a full barrier (one launch).
+// symmetric buffers; then the last block runs a full barrier (one launch) that carries the
+// backward's header (CallHeader, site 1) when header.words[0] != 0.
 const char* launch_bwd_publish(const void* g, void* g_dst, int64_t g_bytes, const void* p, void* p_dst,
                                int64_t p_bytes, const PeerPtrs& flags, int* state, int* errors, int rank, int ep,
-                               uint64_t timeout_ns, cudaStream_t stream);
+                               uint64_t timeout_ns, const CallHeader& header, cudaStream_t stream);
 
 // Pull of the backward: routed row i (< min(expert_offsets[nle], capacity)) reads grad_out row
 // row_src_slot[i] / k and router weight [row_src_slot[i]] of rank row_src_rank[i] (g_bufs, p_bufs),

@@ -25,6 +25,8 @@ enum ErrorCode : int {
   kErrNonfiniteProbs = 3,
   kErrPeerTimeout = 4,
   kErrKernelStall = 5,  // 1 + the rank whose in-kernel wait (megakernel watchdog) gave up
+  kErrHeaderMismatch = 6,  // 1 + word + kHeaderWords * (site + 2 * peer): a peer's call header differs (api.h)
+  kErrHeaderValue = 7,     // that peer's value of that word
 };
 
 constexpr int kRowAlign = 128;  // megatron_mok.config.ROW_ALIGN

@@ -1,7 +1,8 @@
 """The layer backward on the device: the staged launches, one per step, on the caller's stream with
 the shared expert and other off-critical-path work on a side stream.
 
-1. ``bwd_publish``: grad_out and probs into this rank's symmetric buffers, device barrier;
+1. ``bwd_publish``: grad_out and probs into this rank's symmetric buffers, device barrier (it
+   carries the call's header: grad_out's T, H and dtype, the precisions; megatron_mok/header.py);
 2. ``bwd_pull``: every routed row pulls its grad_out row and router weight from the source rank,
    ``dy = bf16(w * g)`` (the forward's padded rows; padding rows 0; fp8 dgrads: also dy in e4m3),
    and stores ``<g, y_routed>`` (the router-weight gradient, fp32, fixed order) into the source's
@@ -31,6 +32,7 @@ import torch
 from .. import ops
 from ..config import MoKConfig
 from ..grads import MoKGrads
+from ..header import call_header
 from ..schedule import MoKSchedule
 from ..workspace import MoKWorkspace
 from . import experts
@@ -119,7 +121,11 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx: KernelCo
     pbuf, p_ptrs = c.buffer("bwd_probs", (T, k), torch.float32)
     slots, slot_ptrs = c.buffer("bwd_dx_slots", (T * k, H), torch.bfloat16)
     dwbuf, dw_ptrs = c.buffer("bwd_dprobs_slots", (T * k,), torch.float32)
-    ops.bwd_publish(g, gbuf, probs.contiguous(), pbuf, c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
+    header = call_header(num_tokens=grad_out.shape[0], hidden=grad_out.shape[1], topk=probs.shape[1],
+                         num_experts=ws.num_experts, capacity=cap, dtype=grad_out.dtype, cfg=cfg, ep_size=ws.ep_size)
+    ws.call_headers[1] = header
+    ops.bwd_publish(g, gbuf, probs.contiguous(), pbuf, c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s,
+                    header=header)
     dx = torch.empty((T, H), **bf16)
     dprobs = torch.empty((T, k), dtype=torch.float32, device=ws.device)
 

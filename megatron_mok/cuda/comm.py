@@ -8,6 +8,10 @@ Device barriers are epoch counters in a symmetric int32 buffer (not torch's sign
 that does not arrive within ``MoKConfig.peer_timeout_s`` sets ``ws.errors[PEER_TIMEOUT] = 1 + peer``
 and the kernels go on instead of hanging (``ws.check_errors`` raises ``MoKPeerTimeoutError``).
 After a timeout the epochs no longer agree across ranks: create a new workspace.
+
+The first barrier of a schedule and of a backward also carries the call's header
+(megatron_mok/header.py): per-call values that disagree across ranks set ``ws.errors[HEADER_MISMATCH]``
+and ``ws.check_errors`` raises ``MoKInputError`` naming the field, without a host sync.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from ..header import barrier_flag_ints
 from ..workspace import MoKWorkspace
 
 STATE_INTS = 16  # csrc/kernels/api.h: StateSlot
@@ -32,7 +37,9 @@ class Comm:
         self.ws = ws
         self.buffers: dict = {}
         self.state = torch.zeros(STATE_INTS, dtype=torch.int32, device=ws.device)
-        _, self.flag_ptrs = self.buffer("barrier_flags", (ws.ep_size,), torch.int32, init_zero=True)
+        # the ep epoch slots, then the per-call headers (megatron_mok/header.py)
+        _, self.flag_ptrs = self.buffer("barrier_flags", (barrier_flag_ints(ws.ep_size),), torch.int32,
+                                        init_zero=True)
         self.route_buf, self.route_ptrs = self.buffer(
             "routing", (2, ws.ep_size, ws.num_tokens, ws.topk), torch.int32)
         self._counters: dict = {}

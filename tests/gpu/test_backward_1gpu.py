@@ -176,9 +176,9 @@ def test_expert_wgrad_rejects_bad_shapes():
 def test_kernel_stall_error_code():
     from megatron_mok.workspace import ErrorCode, MoKKernelStallError, MoKPeerTimeoutError
 
-    assert ErrorCode.KERNEL_STALL == 5 and ErrorCode.NUM_CODES == 6
+    assert ErrorCode.KERNEL_STALL == 5 and ErrorCode.NUM_CODES == 8
     ws = create_workspace(None, DEV, 16, 64, 2, 4, MoKConfig())
-    assert ws.errors.numel() == 6
+    assert ws.errors.numel() == ErrorCode.NUM_CODES
     ws.errors[ErrorCode.KERNEL_STALL] = 1  # rank 0's kernel stalled
     with pytest.raises(MoKKernelStallError, match="rank 0 stalled"):
         ws.check_errors(blocking=True)

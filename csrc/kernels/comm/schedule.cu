@@ -37,6 +37,7 @@ struct SchedArgs {
   uint64_t watchdog_ns;  // waits for a release (the count tasks' one contains the barrier)
   int rank, ep, T, k, nle, num_experts, nchunks, capacity;
   int gather_tasks;  // gather tasks (the first tickets)
+  CallHeader header;  // the call's header, carried by the barrier (words[0] == 0: none)
 };
 
 // Gather task `task` of a.gather_tasks (strided over the elements): this rank's routing into
@@ -209,7 +210,7 @@ __device__ bool finished_phase(int* done, int phase_end, bool sys) {
 // The whole schedule in one launch. Tasks, claimed in increasing order from a ticket:
 //   phase 0: gather_tasks gather tasks; phase 1: J count tasks; phase 2: J fill tasks (J = ep * nchunks).
 // The block that finishes the last gather task runs the cross-rank barrier (and the double-buffer
-// flip), the one that finishes the last count task runs the scan; each then releases the next
+// flip; it carries the call's header, compared before any data that peers stored is read), the one that finishes the last count task runs the scan; each then releases the next
 // phase (state[kStateSchedReleased] = 1, then 2). A task waits only for the release of earlier tasks,
 // all claimed by blocks that are running, so no co-residency of the grid is assumed: any grid size
 // and any other work on the GPU make progress. Every wait has a watchdog (errors[kErrKernelStall]).
@@ -244,7 +245,8 @@ __global__ void __launch_bounds__(kChunk) schedule_kernel(const SchedArgs a) {
     }
     if (finished_phase(st + kStateSchedDone, phase == 0 ? end0 : end1, phase == 0)) {
       if (phase == 0) {
-        barrier_block(a.flags, st, a.errors, a.rank, a.ep, a.timeout_ns, /*bump_gather=*/1);
+        barrier_block_header(a.flags, st, a.errors, a.rank, a.ep, a.timeout_ns, /*bump_gather=*/1, a.header,
+                             /*region: the gather's half*/ 0, /*site=*/0);
       } else {
         scan_block(a.chunk_counts, a.expert_rows_all, a.errors, a.expert_counts, a.expert_offsets, a.ep, a.nle,
                    a.nchunks, a.capacity, s_buf);
@@ -274,7 +276,7 @@ const char* launch_schedule(const void* top_experts, bool is_int64, const int* r
                             const PeerPtrs& flags, int* state, int* errors, int* top_all, int* row_src_rank,
                             int* row_src_slot, int* expert_counts, int* expert_offsets, int* scratch, int rank, int ep,
                             int T, int k, int nle, int num_experts, int capacity, uint64_t timeout_ns,
-                            cudaStream_t stream) {
+                            const CallHeader& header, cudaStream_t stream) {
   if (ep < 1 || ep > kMaxPeers || rank < 0 || rank >= ep) return "mok schedule: bad rank / EP size";
   if (num_experts > kMaxExperts) return "mok schedule: more than 8192 experts";
   if (nle > kMaxLocalExperts) return "mok schedule: more than 1024 local experts";
@@ -307,6 +309,7 @@ const char* launch_schedule(const void* top_experts, bool is_int64, const int* r
   a.nle = nle;
   a.num_experts = num_experts;
   a.capacity = capacity;
+  a.header = header;
   const size_t smem = sizeof(int) * std::max({num_experts, nle + 1, nle * (kChunk / 32)});
   // Grid: enough blocks for the J count / fill items and for ~4 gather elements per thread, at most
   // 4 per SM (<= 32 KB smem, 256 threads: all resident at once on sm_90; the tickets do not need it).

@@ -2,6 +2,7 @@
 // expert_wgrad and their e4m3 forms) run between them.
 //
 //   bwd_publish:   grad_out and the router weights into this rank's symmetric buffers, a barrier
+//                  (carrying the backward's call header, compared before any peer buffer is read)
 //   bwd_pull:      routed row i pulls grad_out row (token of row_src_slot[i]) and its router weight
 //                  from the source rank, writes dy[i] = bf16(w * g) and pushes the router-weight
 //                  gradient <g, y_routed[i]> (fp32, fixed order) into slot row_src_slot[i] of the
@@ -26,11 +27,13 @@ namespace {
 
 __global__ void bwd_publish_kernel(const uint4* __restrict__ g, uint4* __restrict__ g_dst, int64_t g16,
                                    const int* __restrict__ p, int* __restrict__ p_dst, int64_t p4, PeerPtrs flags,
-                                   int* state, int* errors, int rank, int ep, uint64_t timeout_ns) {
+                                   int* state, int* errors, int rank, int ep, uint64_t timeout_ns,
+                                   CallHeader header) {
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < g16; i += stride) g_dst[i] = g[i];
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < p4; i += stride) p_dst[i] = p[i];
-  if (last_block_arrive(state + kStateArrive)) barrier_block(flags, state, errors, rank, ep, timeout_ns, 0);
+  if (last_block_arrive(state + kStateArrive))
+    barrier_block_header(flags, state, errors, rank, ep, timeout_ns, 0, header, /*region=*/2, /*site=*/1);
 }
 
 // ---- pull (+ router-weight gradient push) ------------------------------------------------------
@@ -108,7 +111,7 @@ __global__ void bwd_epilogue_kernel(const __nv_bfloat16* __restrict__ slots, con
 
 const char* launch_bwd_publish(const void* g, void* g_dst, int64_t g_bytes, const void* p, void* p_dst,
                                int64_t p_bytes, const PeerPtrs& flags, int* state, int* errors, int rank, int ep,
-                               uint64_t timeout_ns, cudaStream_t stream) {
+                               uint64_t timeout_ns, const CallHeader& header, cudaStream_t stream) {
   if (ep < 1 || ep > kMaxPeers || rank < 0 || rank >= ep) return "mok bwd_publish: bad rank / EP size";
   if (g_bytes % 16 || !aligned16(g) || !aligned16(g_dst)) return "mok bwd_publish: grad_out must be 16-byte aligned";
   if (p_bytes % 4 || (reinterpret_cast<uintptr_t>(p) & 3) || (reinterpret_cast<uintptr_t>(p_dst) & 3))
@@ -119,7 +122,7 @@ const char* launch_bwd_publish(const void* g, void* g_dst, int64_t g_bytes, cons
       1, std::min<int64_t>((std::max(g16, p4) + threads - 1) / threads, 2 * num_sms())));
   bwd_publish_kernel<<<blocks, threads, 0, stream>>>(static_cast<const uint4*>(g), static_cast<uint4*>(g_dst), g16,
                                                      static_cast<const int*>(p), static_cast<int*>(p_dst), p4, flags,
-                                                     state, errors, rank, ep, timeout_ns);
+                                                     state, errors, rank, ep, timeout_ns, header);
   return launch_status();
 }
 
