@@ -157,6 +157,15 @@ def default_python() -> str:
     return sys.executable or "python3"
 
 
+def _flag_value(args: list[str], flag: str) -> str | None:
+    """The value after the last occurrence of ``flag`` in an argument list (None: absent)."""
+    value = None
+    for i, arg in enumerate(args[:-1]):
+        if arg == flag:
+            value = args[i + 1]
+    return value
+
+
 def read_config_args(path: Path) -> list[str]:
     """Whitespace-separated Megatron args; `#` starts a comment. No shell globbing."""
     out: list[str] = []
@@ -1251,6 +1260,11 @@ def main(argv=None) -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
     }
     common = ["--train-iters", str(a.iters), "--log-interval", "1"]
+    # Megatron asserts warmup < decay iterations: a run shorter than the recipe's warmup warms up
+    # over half of its iterations instead (the learning rate schedule only, not the measurement)
+    warmup_iters = _flag_value(cfg_args + a.extra, "--lr-warmup-iters")
+    if warmup_iters is not None and int(warmup_iters) >= a.iters:
+        common += ["--lr-warmup-iters", str(a.iters // 2)]
     if a.param_digest_every:
         common += ["--mok-param-digest-every", str(a.param_digest_every)]
     if a.soak and "--deterministic-mode" not in cfg_args + a.extra:
