@@ -26,7 +26,7 @@ import torch
 
 from . import fp8, reference
 from .config import ROW_ALIGN, MoKConfig
-from .grads import MoKGrads
+from .grads import MoKGrads, accumulate
 from .schedule import (
     MoKSchedule,
     build_schedule_reference,
@@ -356,9 +356,4 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     dx, dprobs, *wgrads = reference.backward(ws, sched, ctx, grad_out, x, probs, fc1, fc2, shared_fc1, shared_fc2,
                                              dgrad_precision=cfg.dgrad_precision,
                                              wgrad_precision=cfg.wgrad_precision)
-    if main_grads is not None:
-        for i, main in enumerate(main_grads):
-            if main is not None and wgrads[i] is not None:
-                main.add_(wgrads[i])
-                wgrads[i] = None
-    return MoKGrads(dx.to(x.dtype), dprobs, *wgrads)
+    return MoKGrads(dx.to(x.dtype), dprobs, *accumulate(wgrads, main_grads))

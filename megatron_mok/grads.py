@@ -17,3 +17,14 @@ class MoKGrads:
     dfc2: torch.Tensor | None
     dshared_fc1: torch.Tensor | None
     dshared_fc2: torch.Tensor | None
+
+
+def accumulate(wgrads: list, main_grads) -> list:
+    """Add the weight gradients into the given fp32 ``main_grads`` entries (Megatron's
+    gradient-accumulation fusion); those entries of the returned list become None."""
+    if main_grads is not None:
+        for i, main in enumerate(main_grads):
+            if main is not None and wgrads[i] is not None:
+                main.add_(wgrads[i])
+                wgrads[i] = None
+    return wgrads

@@ -31,7 +31,7 @@ import torch
 
 from .. import ops
 from ..config import MoKConfig
-from ..grads import MoKGrads
+from ..grads import MoKGrads, accumulate
 from ..header import call_header
 from ..schedule import MoKSchedule
 from ..workspace import MoKWorkspace
@@ -44,16 +44,6 @@ from .forward import recompute_forward_context
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
-def accumulate(wgrads: list, main_grads) -> list:
-    """Add the weight gradients into the given fp32 ``main_grads`` entries; those fields become None."""
-    if main_grads is not None:
-        for i, main in enumerate(main_grads):
-            if main is not None and wgrads[i] is not None:
-                main.add_(wgrads[i])
-                wgrads[i] = None
-    return wgrads
 
 
 class _LateTransposes:
