@@ -78,7 +78,7 @@ def mok_moe(x, top_experts, probs, fc1, fc2, shared_fc1=None, shared_fc2=None, *
     if error is not None:
         # Share the verdict in this call's first collective (where the peers are now: workspace
         # creation or the schedule's agreement), so every rank raises it and none waits for this one.
-        if not (isinstance(x, torch.Tensor) and functional._use_kernels(x)):
+        if not functional._use_kernels(x):
             exchange(group, _exchange_home(x, fc1), "mok_moe", shape_values(None, None, None, None, None, cfg),
                      error, timeout_s=cfg.peer_timeout_s if isinstance(cfg, MoKConfig) else None)
         raise error

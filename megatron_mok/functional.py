@@ -119,16 +119,26 @@ def _route(cfg: MoKConfig, ws: MoKWorkspace, x, fc1, shared_fc1, where: str) -> 
     return reason is None
 
 
-def _use_kernels_for(x) -> bool:
-    return isinstance(x, torch.Tensor) and _use_kernels(x)
-
-
-def _use_kernels(t: torch.Tensor) -> bool:
-    if t.device.type != "cuda" or _forced_reference():
+def _use_kernels(t) -> bool:
+    """True when ``t`` is a CUDA tensor and the built kernels are to run on it."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "cuda" or _forced_reference():
         return False
     from . import ops
 
     return ops.is_available()
+
+
+def _verdict(x, checks) -> tuple[MoKInputError | None, bool]:
+    """Run a call's host checks; ``checks()`` returns whether the kernels run the call. Returns
+    (this rank's error or None, kernels). On the kernel path a failed check raises here: no host
+    collective carries it, and the peers' device waits time out naming this rank. On the reference
+    path the error is returned for the call's first collective to share with every rank."""
+    try:
+        return None, checks()
+    except MoKInputError as err:
+        if _use_kernels(x):
+            raise
+        return err, False
 
 
 def _check_tensor(name, t, shape, dtypes, device):
@@ -264,17 +274,14 @@ def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1,
     (megatron_mok/fp8.py); ``fp8_weights`` (``quantize_expert_weights``) saves quantizing the
     weights in every call. The backward's routed dgrads follow ``cfg.fp8_dgrad``.
     """
-    error, use_kernels = None, False
-    try:
+    def checks() -> bool:
         _check_cfg(cfg)
         check_schedule(ws, sched, "forward", latest=True)
         check_inputs(ws, x, probs, fc1, fc2, shared_fc1, shared_fc2)
         _check_fp8(cfg, ws, fc1, fc2, fp8_weights)
-        use_kernels = _route(cfg, ws, x, fc1, shared_fc1, "forward")
-    except MoKInputError as err:
-        error = err
-    if error is not None and _use_kernels_for(x):
-        raise error  # the kernel path: peers' device waits time out (no host collective to share it)
+        return _route(cfg, ws, x, fc1, shared_fc1, "forward")
+
+    error, use_kernels = _verdict(x, checks)
     if use_kernels:
         if not torch.cuda.is_current_stream_capturing():
             ws.check_errors()  # sync-free: raises errors of earlier calls once their copy landed
@@ -296,17 +303,14 @@ def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1,
 def recompute_forward_context(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, fc1, fc2,
                               shared_fc1=None, fp8_weights: fp8.FP8ExpertWeights | None = None):
     """Rebuild the forward context (activation checkpointing): dispatch up to the expert outputs."""
-    error, use_kernels = None, False
-    try:
+    def checks() -> bool:
         _check_cfg(cfg)
         check_schedule(ws, sched, "recompute_forward_context", latest=False)
         _check_tensor("x", x, (ws.num_tokens, ws.hidden), _FLOAT_DTYPES, ws.device)
         _check_fp8(cfg, ws, fc1, fc2, fp8_weights)
-        use_kernels = _route(cfg, ws, x, fc1, shared_fc1, "recompute_forward_context")
-    except MoKInputError as err:
-        error = err
-    if error is not None and _use_kernels_for(x):
-        raise error  # the kernel path: peers' device waits time out (no host collective to share it)
+        return _route(cfg, ws, x, fc1, shared_fc1, "recompute_forward_context")
+
+    error, use_kernels = _verdict(x, checks)
     if use_kernels:
         ctx = _cuda().recompute_forward_context(cfg, ws, sched, x, fc1, fc2, shared_fc1,
                                                        fp8_weights=fp8_weights)
@@ -330,19 +334,16 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     ``cfg.dgrad_precision == "fp8"``, ``quantize_expert_weights(fc1, fc2, transposed=True)`` of these
     weights (else the dgrads' e4m3 copies are made in this call).
     """
-    error, use_kernels = None, False
-    try:
+    def checks() -> bool:
         _check_cfg(cfg)
         check_schedule(ws, sched, "backward", latest=False)
         _check_context(ctx, sched, "backward")
         check_inputs(ws, x, probs, fc1, fc2, shared_fc1, shared_fc2)
         _check_tensor("grad_out", grad_out, (ws.num_tokens, ws.hidden), (x.dtype,), ws.device)
         _check_fp8(cfg, ws, fc1, fc2, fp8_weights)
-        use_kernels = _route(cfg, ws, x, fc1, shared_fc1, "backward") and not isinstance(ctx, reference.ReferenceContext)
-    except MoKInputError as err:
-        error = err
-    if error is not None and _use_kernels_for(x):
-        raise error  # the kernel path: peers' device waits time out (no host collective to share it)
+        return _route(cfg, ws, x, fc1, shared_fc1, "backward") and not isinstance(ctx, reference.ReferenceContext)
+
+    error, use_kernels = _verdict(x, checks)
     if use_kernels:
         return _cuda().backward(cfg, ws, sched, ctx, grad_out, x, probs, fc1, fc2,
                                        shared_fc1, shared_fc2, main_grads, fp8_weights=fp8_weights)
