@@ -12,9 +12,12 @@ raises ``MoKInputError`` instead with ``MoKConfig(strict=True)``.
 Failure semantics: every call checks its own inputs on the host before its first collective. On the
 reference path that verdict travels in the call's first collective (the agreement packet of
 ``workspace.exchange``), so one rank's bad input makes every rank raise the same ``MoKInputError``,
-naming the field and the failing rank, instead of leaving its peers waiting. On the kernel path the
-checks raise on the failing rank before any launch, and the peers' device-side waits end with
-``MoKPeerTimeoutError`` after ``MoKConfig.peer_timeout_s`` (no host sync is added).
+naming the field and the failing rank, instead of leaving its peers waiting. On the kernel path a
+rank whose check fails still takes part in the call's first device barrier, the one its peers wait
+in (``_reject``: one small launch, no wait), with a verdict word saying which check failed, then
+raises its own error; its peers' barriers flag it and their next ``ws.check_errors()`` raises
+``MoKInputError`` naming that rank and the reason (megatron_mok/header.py). Calls whose checks pass
+launch nothing more and sync nothing.
 """
 
 from __future__ import annotations
@@ -27,11 +30,13 @@ import torch
 from . import fp8, reference
 from .config import ROW_ALIGN, MoKConfig
 from .grads import MoKGrads, accumulate
+from .header import tag, tag_shape, verdict_dtype, verdict_of
 from .schedule import (
     MoKSchedule,
     build_schedule_reference,
     check_schedule,
     stamp_schedule,
+    validate_top_experts,
 )
 from .workspace import (
     Agreed,
@@ -103,7 +108,8 @@ def report_slow_path(cfg: MoKConfig, reason: str | None, where: str = "the mok l
     text = (f"megatron_mok: {where} runs the pure-PyTorch reference on CUDA, many times slower than the "
             f"mok kernels, because {reason}. Change that to run the kernels{hint}")
     if cfg.strict:
-        raise MoKInputError(f"{text} (MoKConfig.strict / --mok-strict makes this an error instead of a warning)")
+        raise tag(MoKInputError(f"{text} (MoKConfig.strict / --mok-strict makes this an error instead of a warning)"),
+                  "x", "slow_path")
     if reason not in _SLOW_WARNED:
         _SLOW_WARNED.add(reason)
         warnings.warn(f"{text}; MoKConfig(strict=True) / --mok-strict makes this an error. (Warned once.)",
@@ -119,59 +125,106 @@ def _route(cfg: MoKConfig, ws: MoKWorkspace, x, fc1, shared_fc1, where: str) -> 
     return reason is None
 
 
-def _use_kernels(t) -> bool:
-    """True when ``t`` is a CUDA tensor and the built kernels are to run on it."""
-    if not isinstance(t, torch.Tensor) or t.device.type != "cuda" or _forced_reference():
+def _kernels_on(device) -> bool:
+    if not isinstance(device, torch.device) or device.type != "cuda" or _forced_reference():
         return False
     from . import ops
 
     return ops.is_available()
 
 
-def _verdict(x, checks) -> tuple[MoKInputError | None, bool]:
+def _use_kernels(t) -> bool:
+    """True when ``t`` is a CUDA tensor and the built kernels are to run on it."""
+    return isinstance(t, torch.Tensor) and _kernels_on(t.device)
+
+
+def _kernel_side(t, ws) -> bool:
+    """Whether a call whose checks failed belongs to the kernel path: ``t`` (x, top_experts) is a CUDA
+    tensor the kernels take, or it is no CUDA tensor at all while the workspace is on a GPU with the
+    kernels built (a bad argument on one rank: its peers run the kernels)."""
+    if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+        return _use_kernels(t)
+    return _kernels_on(getattr(ws, "device", None))
+
+
+def _reject(ws, call: str, err: MoKInputError) -> None:
+    """Kernel path, this rank's check failed: take part in the call's first device barrier, the one
+    the peers wait in, with the verdict word instead of data (``ops.barrier_reject``: no wait), so
+    the peers raise a ``MoKInputError`` naming this rank and the reason instead of timing out.
+    Alone, or while a CUDA graph is captured, there is no one to tell."""
+    if not isinstance(ws, MoKWorkspace) or ws.ep_size == 1 or ws.device.type != "cuda":
+        return
+    try:
+        if torch.cuda.is_current_stream_capturing():
+            return
+        from . import ops
+        from .cuda.comm import comm
+
+        c = comm(ws)
+        ops.barrier_reject(c.state, ws.errors, c.flag_ptrs, ws.rank, verdict_of(err, call),
+                           bump_gather=call == "build_schedule")
+    except Exception as launch_err:  # noqa: BLE001 - the input error is what this rank raises
+        err.add_note(f"megatron_mok: the verdict could not reach the peers ({launch_err}); they will time out")
+
+
+def _verdict(x, ws, call: str, checks) -> tuple[MoKInputError | None, bool]:
     """Run a call's host checks; ``checks()`` returns whether the kernels run the call. Returns
-    (this rank's error or None, kernels). On the kernel path a failed check raises here: no host
-    collective carries it, and the peers' device waits time out naming this rank. On the reference
-    path the error is returned for the call's first collective to share with every rank."""
+    (this rank's error or None, kernels). On the kernel path a failed check is sent to the peers in
+    the call's first device barrier (``_reject``) and raised here. On the reference path the error
+    is returned for the call's first collective to share with every rank."""
     try:
         return None, checks()
     except MoKInputError as err:
-        if _use_kernels(x):
+        if _kernel_side(x, ws):
+            _reject(ws, call, err)
             raise
         return err, False
 
 
 def _check_tensor(name, t, shape, dtypes, device):
     if not isinstance(t, torch.Tensor):
-        raise MoKInputError(f"{name} must be a tensor, got {type(t).__name__}")
+        raise tag(MoKInputError(f"{name} must be a tensor, got {type(t).__name__}"), name, "type")
     if t.dtype not in dtypes:
         allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise MoKInputError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected {allowed}")
+        raise tag(MoKInputError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected {allowed}"),
+                  name, "dtype", 0, verdict_dtype(t.dtype))
     if tuple(t.shape) != tuple(shape):
-        raise MoKInputError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+        raise tag_shape(MoKInputError(f"{name} must have shape {list(shape)}, got {list(t.shape)}"), name, t.shape,
+                        shape)
     if t.device != device:
-        raise MoKInputError(f"{name} is on {t.device}, the workspace on {device}")
+        raise tag(MoKInputError(f"{name} is on {t.device}, the workspace on {device}"), name, "device")
 
 
 def check_inputs(ws: MoKWorkspace, x, probs, fc1, fc2, shared_fc1=None, shared_fc2=None) -> None:
     """Validate shapes, dtypes and devices on the host (no device data is read)."""
     T, H, k, nle = ws.num_tokens, ws.hidden, ws.topk, ws.num_local_experts
     if not isinstance(x, torch.Tensor) or x.dtype not in _FLOAT_DTYPES:
-        raise MoKInputError(f"x must be a bf16, fp16, fp32 or fp64 tensor, got {getattr(x, 'dtype', type(x))}")
+        err = MoKInputError(f"x must be a bf16, fp16, fp32 or fp64 tensor, got {getattr(x, 'dtype', type(x))}")
+        if isinstance(x, torch.Tensor):
+            raise tag(err, "x", "dtype", 0, verdict_dtype(x.dtype))
+        raise tag(err, "x", "type")
     _check_tensor("x", x, (T, H), _FLOAT_DTYPES, ws.device)
+    weights = [w for w in (fc1, fc2) if isinstance(w, torch.Tensor)]
+    if len(weights) == 2 and fc1.dtype == fc2.dtype != x.dtype:  # the weights agree: x is the odd one out
+        name = lambda d: str(d).replace("torch.", "")  # noqa: E731
+        raise tag(MoKInputError(f"x has dtype {name(x.dtype)}; the expert weights (fc1, fc2) have "
+                                f"{name(fc1.dtype)}, and x must have theirs"), "x", "dtype", 0, verdict_dtype(x.dtype))
     _check_tensor("probs", probs, (T, k), (torch.float32, torch.float64) if x.dtype == torch.float64 else (torch.float32,), ws.device)
     if not isinstance(fc1, torch.Tensor) or fc1.dim() != 3:
-        raise MoKInputError(f"fc1 must be a [num_local_experts, 2*I, H] tensor, got {getattr(fc1, 'shape', fc1)}")
+        raise tag(MoKInputError(f"fc1 must be a [num_local_experts, 2*I, H] tensor, got {getattr(fc1, 'shape', fc1)}"),
+                  "fc1", "type")
     two_i = fc1.shape[1]
     if two_i % 2:
-        raise MoKInputError(f"fc1 rows hold [gate; up] and must be even, got {two_i}")
+        raise tag(MoKInputError(f"fc1 rows hold [gate; up] and must be even, got {two_i}"), "fc1", "shape", 1, two_i)
     _check_tensor("fc1", fc1, (nle, two_i, H), (x.dtype,), ws.device)
     _check_tensor("fc2", fc2, (nle, H, two_i // 2), (x.dtype,), ws.device)
     if (shared_fc1 is None) != (shared_fc2 is None):
-        raise MoKInputError("shared_fc1 and shared_fc2 must be given together (or both None)")
+        raise tag(MoKInputError("shared_fc1 and shared_fc2 must be given together (or both None)"),
+                  "shared_fc1" if shared_fc1 is None else "shared_fc2", "type")
     if shared_fc1 is not None:
         if not isinstance(shared_fc1, torch.Tensor) or shared_fc1.dim() != 2 or shared_fc1.shape[0] % 2:
-            raise MoKInputError(f"shared_fc1 must be a [2*Is, H] tensor, got {getattr(shared_fc1, 'shape', shared_fc1)}")
+            raise tag(MoKInputError(f"shared_fc1 must be a [2*Is, H] tensor, got "
+                                    f"{getattr(shared_fc1, 'shape', shared_fc1)}"), "shared_fc1", "type")
         two_is = shared_fc1.shape[0]
         _check_tensor("shared_fc1", shared_fc1, (two_is, H), (x.dtype,), ws.device)
         _check_tensor("shared_fc2", shared_fc2, (H, two_is // 2), (x.dtype,), ws.device)
@@ -191,7 +244,13 @@ def build_schedule(cfg: MoKConfig, ws: MoKWorkspace, top_experts: torch.Tensor) 
     The schedule carries its identity (this workspace, which of its schedules it is, the routing):
     a forward must use the newest schedule of its workspace, a backward the one its context's
     forward used."""
-    if _use_kernels(top_experts):
+    if _kernel_side(top_experts, ws):
+        try:
+            _check_cfg(cfg)
+            validate_top_experts(ws, top_experts)
+        except MoKInputError as err:
+            _reject(ws, "build_schedule", err)  # the peers wait in the routing all-gather's barrier
+            raise
         return stamp_schedule(ws, _cuda().build_schedule(cfg, ws, top_experts))
     return build_schedule_reference(ws, top_experts, cfg)
 
@@ -216,20 +275,22 @@ def quantize_expert_weights(fc1: torch.Tensor, fc2: torch.Tensor, transposed: bo
 def _check_fp8(cfg: MoKConfig, ws: MoKWorkspace, fc1, fc2, fp8_weights) -> None:
     if cfg.precision != "fp8":
         if fp8_weights is not None:
-            raise MoKInputError("fp8_weights were given, but MoKConfig.precision is not 'fp8'")
+            raise tag(MoKInputError("fp8_weights were given, but MoKConfig.precision is not 'fp8'"), "fp8_weights",
+                      "config")
         return
     for name, k in (("H", ws.hidden), ("I", fc1.shape[1] // 2)):
         if k % fp8.BLOCK:
-            raise MoKInputError(f"MoKConfig.precision 'fp8' needs {name} to be a multiple of {fp8.BLOCK} "
-                                f"(the scale blocks), got {k}")
+            raise tag(MoKInputError(f"MoKConfig.precision 'fp8' needs {name} to be a multiple of {fp8.BLOCK} "
+                                    f"(the scale blocks), got {k}"), "cfg", "config")
     if fp8_weights is not None and not (isinstance(fp8_weights, fp8.FP8ExpertWeights)
                                         and fp8_weights.matches(fc1, fc2)):
-        raise MoKInputError("fp8_weights must come from quantize_expert_weights(fc1, fc2) of these weights' shapes")
+        raise tag(MoKInputError("fp8_weights must come from quantize_expert_weights(fc1, fc2) of these weights' "
+                                "shapes"), "fp8_weights", "config")
 
 
 def _check_cfg(cfg) -> None:
     if not isinstance(cfg, MoKConfig):
-        raise MoKInputError(f"cfg must be a MoKConfig, got {type(cfg).__name__}")
+        raise tag(MoKInputError(f"cfg must be a MoKConfig, got {type(cfg).__name__}"), "cfg", "type")
 
 
 def _call_values(cfg, ws: MoKWorkspace, x, fc1, shared_fc1, fp8_weights, *extra: Agreed) -> list[Agreed]:
@@ -258,11 +319,11 @@ def _check_context(ctx, sched: MoKSchedule, call: str) -> None:
     if ctx is None or made_with is None or sched.identity is None:
         return
     if made_with != sched.identity:
-        raise MoKInputError(
+        raise tag(MoKInputError(
             f"{call}: ctx and sched do not belong together: ctx comes from the forward that ran schedule "
             f"{made_with[1]} of workspace #{made_with[0]}, sched is schedule {sched.step} of workspace "
             f"#{sched.workspace_uid}; pass the schedule that forward used"
-        )
+        ), "ctx", "context")
 
 
 def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1, fc2,
@@ -281,7 +342,7 @@ def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1,
         _check_fp8(cfg, ws, fc1, fc2, fp8_weights)
         return _route(cfg, ws, x, fc1, shared_fc1, "forward")
 
-    error, use_kernels = _verdict(x, checks)
+    error, use_kernels = _verdict(x, ws, "forward", checks)
     if use_kernels:
         if not torch.cuda.is_current_stream_capturing():
             ws.check_errors()  # sync-free: raises errors of earlier calls once their copy landed
@@ -310,7 +371,7 @@ def recompute_forward_context(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedu
         _check_fp8(cfg, ws, fc1, fc2, fp8_weights)
         return _route(cfg, ws, x, fc1, shared_fc1, "recompute_forward_context")
 
-    error, use_kernels = _verdict(x, checks)
+    error, use_kernels = _verdict(x, ws, "recompute_forward_context", checks)
     if use_kernels:
         ctx = _cuda().recompute_forward_context(cfg, ws, sched, x, fc1, fc2, shared_fc1,
                                                        fp8_weights=fp8_weights)
@@ -343,7 +404,7 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
         _check_fp8(cfg, ws, fc1, fc2, fp8_weights)
         return _route(cfg, ws, x, fc1, shared_fc1, "backward") and not isinstance(ctx, reference.ReferenceContext)
 
-    error, use_kernels = _verdict(x, checks)
+    error, use_kernels = _verdict(x, ws, "backward", checks)
     if use_kernels:
         return _cuda().backward(cfg, ws, sched, ctx, grad_out, x, probs, fc1, fc2,
                                        shared_fc1, shared_fc2, main_grads, fp8_weights=fp8_weights)

@@ -11,6 +11,19 @@ compares every rank's header with its own after the wait. A mismatch sets
 ``MoKInputError`` naming the field, this rank's value and the peer's. Every rank raises: when two
 ranks differ, every rank differs from at least one of them.
 
+The verdict (issue #33): a rank whose own host checks fail on the kernel path still takes part in
+the barrier its peers wait in, the call's first (``barrier_reject``): it stores its verdict record
+``{epoch, verdict word}`` into every peer's buffer, then the negated epoch into its slot, and raises
+its own ``MoKInputError``. A waiter that finds the record for the epoch it waits on sets
+``ws.errors[HEADER_MISMATCH] = -(1 + peer)`` and ``ws.errors[HEADER_VALUE]`` = the verdict word; the
+next ``ws.check_errors()`` raises ``MoKInputError`` naming that rank and its reason
+(``verdict_message``). The verdict word says which check failed: the call, the argument, the kind of
+problem and one detail (a dtype, or a dimension and its size). Once ``HEADER_MISMATCH`` is set,
+a rank's barriers neither open nor wait, the schedule it builds is empty and a barrier given the
+call's schedule empties it, until the flag is cleared (``check_errors``): no later kernel moves a
+row from or to a peer, and the epochs of the ranks stay in step (every rank stops at the barrier
+where the verdict or the mismatch showed).
+
 The layout must match ``CallHeader`` in csrc/kernels/api.h. Nothing here imports the extension or
 the workspace module (``workspace.raise_if_error`` decodes with it).
 """
@@ -31,9 +44,12 @@ _PRECISION_BITS = (("precision", "fp8", "bf16"), ("dgrad", "fp8", "bf16"), ("wgr
                    ("forward_kernel", "persistent", "staged"))
 
 
+VERDICT_WORDS = 2  # api.h: kVerdictWords (a rank's verdict record: the epoch it rejected, the verdict word)
+
+
 def barrier_flag_ints(ep: int) -> int:
-    """int32 elements of a barrier buffer with header regions (api.h: barrier_flag_ints)."""
-    return ep + HEADER_REGIONS * ep * HEADER_WORDS
+    """int32 elements of a barrier buffer: epochs, header regions, verdict records (api.h: barrier_flag_ints)."""
+    return ep + HEADER_REGIONS * ep * HEADER_WORDS + VERDICT_WORDS * ep
 
 
 def dtype_code(dtype: torch.dtype | None) -> int:
@@ -87,3 +103,112 @@ def mismatch_message(code: int, peer_value: int, rank: int, mine: list[int] | No
             f"{own}; rank {peer}: {show_value(word, peer_value)} (the device header check of that call's first "
             "barrier; every rank raises this error; the outputs of that call and of the calls after it that "
             "used its schedule are not valid)")
+
+
+# ---- the verdict word (a rank's rejected call) ---------------------------------------------------
+#
+# bits 0-3: the problem, 4-7: the argument, 8-9: the call, 10-11: a dimension, 12-30: a detail value
+# (a dtype's index in VERDICT_DTYPES plus 1, or the size in that dimension, saturated).
+VERDICT_CALLS = ("build_schedule", "forward", "recompute_forward_context", "backward")
+VERDICT_ARGS = ("an input", "x", "probs", "fc1", "fc2", "shared_fc1", "shared_fc2", "grad_out", "top_experts",
+                "sched", "ctx", "cfg", "fp8_weights")
+VERDICT_PROBLEMS = ("other", "type", "dtype", "shape", "device", "schedule", "context", "config", "slow_path")
+VERDICT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int32, torch.int64,
+                  torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)
+_DETAIL_MAX = (1 << 19) - 1
+
+
+def verdict_dtype(dtype) -> int:
+    """The detail value of a dtype (0: not one of VERDICT_DTYPES)."""
+    return VERDICT_DTYPES.index(dtype) + 1 if dtype in VERDICT_DTYPES else 0
+
+
+def encode_verdict(call: str, arg: str = "an input", problem: str = "other", dim: int = 0, value: int = 0) -> int:
+    """The verdict word of a rejected call (int32, >= 0)."""
+    c = VERDICT_CALLS.index(call) if call in VERDICT_CALLS else 0
+    a = VERDICT_ARGS.index(arg) if arg in VERDICT_ARGS else 0
+    p = VERDICT_PROBLEMS.index(problem) if problem in VERDICT_PROBLEMS else 0
+    v = max(0, min(int(value), _DETAIL_MAX))
+    return p | a << 4 | c << 8 | (max(0, min(int(dim), 3)) << 10) | v << 12
+
+
+def decode_verdict(word: int) -> tuple[str, str, str, int, int]:
+    """(call, argument, problem, dim, value) of a verdict word (unknown indices decode to the first)."""
+    def pick(names, i):
+        return names[i] if i < len(names) else names[0]
+
+    return (pick(VERDICT_CALLS, word >> 8 & 3), pick(VERDICT_ARGS, word >> 4 & 15),
+            pick(VERDICT_PROBLEMS, word & 15), word >> 10 & 3, word >> 12 & _DETAIL_MAX)
+
+
+def _shape_detail(got, want) -> tuple[int, int]:
+    """(dim, size) of the first dimension where ``got`` differs from ``want``; dim 3: the number of
+    dimensions differs (size: got's)."""
+    got, want = list(got), list(want)
+    if len(got) != len(want):
+        return 3, len(got)
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            return min(i, 2), g
+    return 0, got[0] if got else 0
+
+
+def tag(err: Exception, arg: str, problem: str, dim: int = 0, value: int = 0):
+    """Attach what the verdict word needs to a check's error (returns it)."""
+    err.mok_verdict = (arg, problem, dim, value)
+    return err
+
+
+def tag_shape(err: Exception, arg: str, got, want):
+    return tag(err, arg, "shape", *_shape_detail(got, want))
+
+
+def verdict_of(err: Exception, call: str) -> int:
+    """The verdict word for a failed host check: from the tag the check attached, else from the
+    message's opening words (checks of other modules), else "an input failed a check"."""
+    tagged = getattr(err, "mok_verdict", None)
+    if tagged is not None:
+        return encode_verdict(call, *tagged)
+    text = str(err)
+    for prefix, arg, problem in (("sched is stale", "sched", "schedule"), ("sched is foreign", "sched", "schedule"),
+                                 ("sched must be", "sched", "type"), ("ctx and sched", "ctx", "context"),
+                                 ("top_experts must be int32", "top_experts", "dtype"),
+                                 ("top_experts must have shape", "top_experts", "shape"),
+                                 ("top_experts is on", "top_experts", "device"),
+                                 ("top_experts must be a tensor", "top_experts", "type")):
+        if text.split(": ", 1)[-1].startswith(prefix) or text.startswith(prefix):
+            value = 0
+            if problem == "dtype":
+                value = next((verdict_dtype(d) for d in VERDICT_DTYPES if text.endswith(str(d))), 0)
+            return encode_verdict(call, arg, problem, 0, value)
+    return encode_verdict(call)
+
+
+def verdict_reason(word: int) -> str:
+    """The reason of a verdict word, in the words of the check that failed."""
+    _, arg, problem, dim, value = decode_verdict(word)
+    if problem == "dtype":
+        shown = str(VERDICT_DTYPES[value - 1]).replace("torch.", "") if 0 < value <= len(VERDICT_DTYPES) else \
+            "a dtype the call does not take"
+        return f"{arg} has dtype {shown}"
+    if problem == "shape":
+        if dim == 3:
+            return f"{arg} has {value} dimensions, not the shape the call takes"
+        return f"{arg} has the wrong shape (size {value}{'+' if value == _DETAIL_MAX else ''} in dim {dim})"
+    return {
+        "type": f"{arg} is not what the call takes (its type, or a tensor of another rank or layout)",
+        "device": f"{arg} is on another device than the workspace",
+        "schedule": "sched is not the schedule this call must use (stale, or built on another workspace)",
+        "context": "ctx and sched do not belong together (ctx comes from a forward that ran another schedule)",
+        "config": f"{arg} does not suit this call's MoKConfig (precision fp8 sizes, or fp8_weights)",
+        "slow_path": "its inputs would run the pure-PyTorch reference and MoKConfig.strict is set",
+    }.get(problem, f"{arg} failed a host check")
+
+
+def verdict_message(peer: int, word: int, rank: int) -> str:
+    """The ``MoKInputError`` text on rank ``rank`` for ``errors[HEADER_MISMATCH] = -(1 + peer)``,
+    ``errors[HEADER_VALUE] = word``."""
+    call = decode_verdict(word)[0]
+    return (f"mok {call}: rank {peer} rejected its input: {verdict_reason(word)} (that rank's host check failed "
+            f"before the call's first device barrier and it raised its own error; every rank raises, this is rank "
+            f"{rank}; the outputs of that call and of the calls after it that used its schedule are not valid)")

@@ -58,9 +58,9 @@ def _register_fakes() -> None:
 
     for name in ("barrier", "barrier_open", "publish_barrier", "build_schedule", "dispatch", "dispatch_e4m3",
                  "grouped_gemm", "combine", "moe_epilogue", "moe_epilogue_wait", "megakernel", "megakernel_timeline",
-                 "bwd_publish", "bwd_pull", "expert_dgrad", "expert_wgrad", "bwd_push", "bwd_epilogue_wait",
+                 "bwd_publish", "bwd_pull", "bwd_dprobs", "expert_dgrad", "expert_wgrad", "bwd_push", "bwd_epilogue_wait",
                  "expert_gemm_fp8", "quantize_rows_e4m3", "dequantize_rows_e4m3", "quantize_weight_e4m3",
-                 "quantize_columns_e4m3", "expert_wgrad_fp8"):
+                 "quantize_columns_e4m3", "expert_wgrad_fp8", "barrier_reject"):
         torch.library.register_fake(f"megatron_mok::{name}")(_noop)
 
 
@@ -80,19 +80,32 @@ def megakernel_counter_ints(capacity: int, num_tokens: int) -> int:
     return MEGA_COUNTER_HEADER + 2 * (capacity // ROW_TILE) + math.ceil(num_tokens / ROW_TILE)
 
 
-def publish_barrier(src, dst, state, errors, peer_flags: list[int], rank: int, timeout_s: float) -> None:
-    """``dst`` (this rank's symmetric buffer) <- ``src``, then a device barrier (one launch)."""
-    _ops().publish_barrier(src, dst, state, errors, peer_flags, rank, float(timeout_s))
+def publish_barrier(src, dst, state, errors, peer_flags: list[int], rank: int, timeout_s: float,
+                    schedule=None) -> None:
+    """``dst`` (this rank's symmetric buffer) <- ``src``, then a device barrier (one launch). ``schedule``
+    (the call's MoKSchedule, optional): emptied by the barrier once this rank is stopped (a peer's
+    verdict or a header mismatch, ``errors[HEADER_MISMATCH]``), so no later kernel touches a peer's rows."""
+    _ops().publish_barrier(src, dst, state, errors, peer_flags, rank, float(timeout_s),
+                           *((schedule.expert_counts, schedule.expert_offsets) if schedule is not None else ()))
 
 
-def barrier(state, errors, peer_flags: list[int], rank: int, timeout_s: float, bump_gather: bool = False) -> None:
-    _ops().barrier(state, errors, peer_flags, rank, float(timeout_s), int(bump_gather))
+def barrier(state, errors, peer_flags: list[int], rank: int, timeout_s: float, bump_gather: bool = False,
+            schedule=None) -> None:
+    """A device barrier; ``schedule``: as ``publish_barrier``'s."""
+    _ops().barrier(state, errors, peer_flags, rank, float(timeout_s), int(bump_gather),
+                   *((schedule.expert_counts, schedule.expert_offsets) if schedule is not None else ()))
 
 
 def barrier_open(state, peer_flags: list[int], rank: int) -> None:
     """The opening half of a device barrier: this rank's next epoch into every peer's flags, after the
     stream's earlier kernels (``bwd_epilogue_wait`` closes it)."""
     _ops().barrier_open(state, peer_flags, rank)
+
+
+def barrier_reject(state, errors, peer_flags: list[int], rank: int, verdict: int, bump_gather: bool = False) -> None:
+    """This rank's host checks failed: its verdict word (megatron_mok/header.py) into the barrier its
+    peers wait in, without waiting (bump_gather: that barrier is the schedule's)."""
+    _ops().barrier_reject(state, errors, peer_flags, rank, int(verdict), int(bump_gather))
 
 
 def build_schedule(*, top_experts, routing_buf, state, errors, top_all, row_src_rank, row_src_slot, expert_counts,
@@ -183,12 +196,12 @@ def quantize_weight_e4m3(w: torch.Tensor, swiglu: bool, transposed: bool = False
 
 
 def expert_gemm_fp8(x8, x_scale, w8, w_scale, seg_offsets, seg_counts, out, swiglu: bool, pre_out=None,
-                    num_ctas: int = 0, h=None, push=None, dh_e4m3=None) -> None:
+                    num_ctas: int = 0, h=None, push=None, dh_e4m3=None, row_w=None, act=None, dot=None) -> None:
     """The routed GEMM of ``grouped_gemm`` (segments with real-row counts) on e4m3 operands:
     x8/x_scale from ``quantize_rows_e4m3``, w8/w_scale from ``fp8.quantize_weight`` (its ``q`` and
-    ``scale``). out (and pre_out) bf16, as ``grouped_gemm`` writes them. h (the backward's
-    down-projection dgrad, plain weights, e.g. fc2's transposed copy): out = dh [rows, 2 N], the
-    SwiGLU backward of the products with the pre-activations h [rows, 2 N], as ``expert_dgrad``.
+    ``scale``). out (and pre_out) bf16, as ``grouped_gemm`` writes them. h, row_w, act, dot (the
+    backward's down-projection dgrad, plain weights, e.g. fc2's transposed copy): out = dh [rows, 2 N],
+    the SwiGLU backward of ``expert_dgrad``.
     push = (row_src_rank, row_src_slot, peer_comb) (plain weights): the rows also go into their
     source slots, the stores of ``combine``, from the epilogue. Tasks: the gate/up GEMM (swiglu)
     runs column tasks (the weights on wgmma's M side, up to 256 token rows) in 2-CTA clusters that
@@ -200,7 +213,7 @@ def expert_gemm_fp8(x8, x_scale, w8, w_scale, seg_offsets, seg_counts, out, swig
     rank_of, slot_of, peers = push if push is not None else (None, None, [])
     dh_q, dh_q_scale = dh_e4m3 if dh_e4m3 is not None else (None, None)
     _ops().expert_gemm_fp8(x8, x_scale, w8, w_scale, seg_offsets, seg_counts, out, pre_out, swiglu, num_ctas, h,
-                           rank_of, slot_of, peers, dh_q, dh_q_scale)
+                           rank_of, slot_of, peers, dh_q, dh_q_scale, row_w, act, dot)
 
 
 def combine(y, row_src_rank, row_src_slot, expert_offsets, state, peer_comb: list[int], num_ctas: int = 0) -> None:
@@ -247,31 +260,45 @@ def megakernel_timeline(records=None) -> None:
 
 
 def bwd_publish(grad_out, g_dst, probs, p_dst, state, errors, peer_flags: list[int], rank: int,
-                timeout_s: float, header: list[int] | None = None) -> None:
+                timeout_s: float, header: list[int] | None = None, schedule=None) -> None:
     """``g_dst`` <- ``grad_out`` (bf16 [T, H]) and ``p_dst`` <- ``probs`` (fp32 [T, k]): this rank's
     symmetric buffers; then a device barrier (one launch) that carries ``header`` like
-    ``build_schedule``'s (None: no check)."""
+    ``build_schedule``'s (None: no check); ``schedule``: as ``publish_barrier``'s."""
     _ops().bwd_publish(grad_out, g_dst, probs, p_dst, state, errors, peer_flags, rank, float(timeout_s),
-                       list(header or []))
+                       list(header or []),
+                       *((schedule.expert_counts, schedule.expert_offsets) if schedule is not None else ()))
 
 
-def bwd_pull(row_src_rank, row_src_slot, expert_offsets, y_routed, dy, peer_g: list[int], peer_p: list[int],
-             peer_dw: list[int], topk: int, num_ctas: int = 0, q=None, q_scale=None) -> None:
-    """Routed row i: ``dy[i] = bf16(w * g)`` from the source rank's grad_out row and router weight;
-    ``<g, y_routed[i]>`` (fp32, fixed order) -> slot ``row_src_slot[i]`` of the source's ``peer_dw``.
-    ``q``/``q_scale``: dy also in e4m3 with its scales ``[H / 128, ld]``, the bits
-    of ``quantize_rows_e4m3(dy)`` (the fp8 dgrad's operand, without a second pass over dy)."""
-    _ops().bwd_pull(row_src_rank, row_src_slot, expert_offsets, y_routed, dy, peer_g, peer_p, peer_dw, topk,
-                    num_ctas, q, q_scale)
+def bwd_pull(row_src_rank, row_src_slot, expert_offsets, g_rows, row_w, peer_g: list[int], peer_p: list[int],
+             topk: int, num_ctas: int = 0, q=None, q_scale=None) -> None:
+    """Routed row i: ``g_rows[i]`` = the source rank's grad_out row as it is, ``row_w[i]`` = its
+    router weight (padding rows: zeros). ``q``/``q_scale``: the rows also in e4m3 with their scales
+    ``[H / 128, ld]``, the bits of ``quantize_rows_e4m3(g_rows)`` (the fp8 dgrad's operand)."""
+    _ops().bwd_pull(row_src_rank, row_src_slot, expert_offsets, g_rows, row_w, peer_g, peer_p, topk, num_ctas, q,
+                    q_scale)
 
 
-def expert_dgrad(dy, w, seg_offsets, seg_counts, out, h=None, num_ctas: int = 0) -> None:
+def bwd_dprobs(dot, row_src_rank, row_src_slot, expert_offsets, peer_dw: list[int]) -> None:
+    """Routed row i's router-weight gradient, ``sum(dot[i])`` in column order (the down dgrad's dot
+    pieces), -> slot ``row_src_slot[i]`` of the source's ``peer_dw`` (padding rows: nothing)."""
+    _ops().bwd_dprobs(dot, row_src_rank, row_src_slot, expert_offsets, peer_dw)
+
+
+def dot_pieces(rows: int, n: int, device) -> torch.Tensor:
+    """The ``dot`` buffer of a down dgrad with n output columns: [rows, ceil(n / 64)] fp32."""
+    return torch.empty((rows, -(-n // 64)), dtype=torch.float32, device=device)
+
+
+def expert_dgrad(dy, w, seg_offsets, seg_counts, out, h=None, num_ctas: int = 0, row_w=None, act=None,
+                 dot=None) -> None:
     """``out[r] = dy[r] @ w[e]`` for the rows r of segment e (``w`` ``[nseg, K, M]``, as
     ``torch._grouped_mm(dy, w, offs=seg_offsets[1:])``), on the expert-major GEMM; rows of a segment
-    past ``seg_counts[e]`` get zeros. With ``h`` (``[rows', 2M] = [gate | up]``): ``out = [d_gate |
-    d_up]`` (``[rows, 2M]``) of ``da = bf16(dy @ w[e])``: ``d_gate = da * up * sig * (1 + gate *
-    (1 - sig))``, ``d_up = da * silu(gate)`` in fp32."""
-    _ops().expert_dgrad(dy, w, seg_offsets, seg_counts, out, h, num_ctas)
+    past ``seg_counts[e]`` get zeros. With ``h`` (``[rows, 2M] = [gate | up]``), the SwiGLU backward
+    of ``da = bf16(dy @ w[e])`` in fp32: ``out = [d_gate | d_up]`` (``[rows, 2M]``) of ``w * da``
+    (``row_w`` ``[rows]``: the router weight per row; None: 1), ``d_gate = d * up * sig * (1 + gate *
+    (1 - sig))``, ``d_up = d * silu(gate)``; ``act`` (``[rows, M]``): ``bf16(w * silu(gate) * up)``;
+    ``dot`` (``dot_pieces``): per 64 columns ``sum da * silu(gate) * up`` (``bwd_dprobs`` sums them)."""
+    _ops().expert_dgrad(dy, w, seg_offsets, seg_counts, out, h, num_ctas, row_w, act, dot)
 
 
 def expert_wgrad(a, a_offsets, b, b_offsets, counts, out, num_ctas: int = 0) -> None:

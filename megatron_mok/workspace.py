@@ -57,9 +57,10 @@ class ErrorCode(enum.IntEnum):
     NONFINITE_PROBS = 3  # value: 1 + token index
     PEER_TIMEOUT = 4  # value: 1 + the peer rank that stalled
     KERNEL_STALL = 5  # value: 1 + the rank whose kernel-internal wait gave up (megakernel watchdog)
-    # value: 1 + word + 8 * (site + 2 * peer): a peer's per-call header differs (megatron_mok/header.py)
+    # value: 1 + word + 8 * (site + 2 * peer): a peer's per-call header differs; -(1 + peer): that peer
+    # rejected its input (its verdict; megatron_mok/header.py). Nonzero: this rank's barriers stop.
     HEADER_MISMATCH = 6
-    HEADER_VALUE = 7  # value: that peer's value of that header word
+    HEADER_VALUE = 7  # value: that peer's value of that header word, or its verdict word
     NUM_CODES = 8
 
 
@@ -139,6 +140,11 @@ class MoKWorkspace:
         v = [int(x) for x in values.tolist()]
         if any(v):
             self.errors.zero_()  # reported once; the workspace stays usable for fixed inputs
+        if v[ErrorCode.HEADER_MISMATCH] < 0:  # a peer rejected its input (its verdict)
+            from .header import verdict_message
+
+            raise MoKInputError(verdict_message(-v[ErrorCode.HEADER_MISMATCH] - 1, v[ErrorCode.HEADER_VALUE],
+                                                self.rank))
         if v[ErrorCode.HEADER_MISMATCH]:  # first: everything else a mismatched call flags follows from it
             from .header import decode_mismatch, mismatch_message
 
@@ -187,6 +193,7 @@ class MoKWorkspace:
         if self.device.type != "cuda" or blocking:
             if blocking and self._pending_error_copy is not None:
                 self._pending_error_copy[1].synchronize()
+                self._pending_error_copy = None  # the read below holds all it holds: not raised twice
             self.raise_if_error(self.errors.cpu())
             return
         if self._pending_error_copy is not None:

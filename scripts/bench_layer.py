@@ -31,7 +31,8 @@ accumulated). Backward FLOPs = 2x the forward FLOPs (a recomputing variant's ext
 not counted). Memory (--pass bwd): saved_bytes_per_token = what the forward keeps for the backward
 (mok: its context's tensors; baselines: the growth of allocated memory across the forward, minus its
 output) and bwd_peak_bytes_per_token = the allocation peak of one backward above what was allocated
-before it, both divided by T.
+before it, both divided by T. mok rows also store workspace_bytes_per_gpu: its symmetric buffers, a
+per-GPU constant shared by every layer of the shape (not activation memory; docs/DESIGN.md 7.2).
 
 Timing: CUDA events around every iteration on every rank, warm-up first; the reported time is the
 median over iterations of the per-iteration maximum over ranks. Forward FLOPs per rank =
@@ -599,6 +600,7 @@ def fp8_grouped_mm_unsupported(dev) -> str | None:
 
 PASS = "fwd"  # set by main(): "fwd" or "bwd"
 SAVED_BYTES: dict = {}  # backend -> bytes its forward keeps for the backward (--pass bwd)
+MOK_WORKSPACES: dict = {}  # mok backend -> its workspace (its symmetric buffers are reported per row)
 WEIGHT_QUANT_MS: dict = {}  # fp8 backend -> median ms of quantizing its weights (outside the timed step)
 
 
@@ -638,6 +640,7 @@ def backend_mok(c, dev, cfg, name="mok"):
     if missing:
         raise RuntimeError(missing)
     ws = megatron_mok.get_workspace(None, dev, c["T"], c["H"], c["k"], c["E"], cfg)
+    MOK_WORKSPACES[name] = ws
     fp8_weights = None
     if cfg.precision == "fp8":
         # quantized once per weight version, as a training step would (its time is logged apart):
@@ -1346,6 +1349,9 @@ def _run_case(args, backends, dev, shape, routing, T, gate, gate_error, ep) -> l
                 if mem[0] >= 0:
                     row["saved_bytes_per_token"] = float(mem[0]) / T
                 row["bwd_peak_bytes_per_token"] = float(mem[1]) / T
+            if be in MOK_WORKSPACES:  # the symmetric buffers exist once a step has run
+                from megatron_mok.cuda.comm import comm
+                row["workspace_bytes_per_gpu"] = comm(MOK_WORKSPACES.pop(be)).nbytes()
             log(f"{shape} T={T} {routing} {be}: first step done")
             is_reference = cfg is not None and cfg.precision == "bf16" and ref_out is None
             if is_reference:

@@ -465,6 +465,10 @@ def test_memory_estimate_counts_the_kept_gate_up_outputs():
     _, a2a = worst("--moe-backend", "alltoall")
     assert "gate/up outputs kept" in out_kept and "gate/up outputs recomputed" in out_lean
     # the recipe recomputes the MoE layers: h [cap, 2I] (+ the shared expert's) is held by the one
-    # layer rebuilt for its backward: 135,168 x 2 x 2048 x 2 B + 4096 x 2 x 2048 x 2 B = 1.06 GiB
-    assert kept - lean == pytest.approx(1.06, abs=0.1)
-    assert a2a < lean < kept
+    # layer rebuilt for its backward: 135,168 x 2 x 2048 x 2 B + 4096 x 2 x 2048 x 2 B = 1.06 GiB at
+    # most (that transient is the biggest layer's activations, which may be a dense layer's)
+    assert 0 < kept - lean <= 1.06 + 0.05
+    # mok keeps no routed rows, SwiGLU outputs or expert outputs: at most its gate/up outputs more
+    # than alltoall, and the recipe fits an 8 x H200 node's GPUs
+    assert kept - a2a <= 1.06 + 0.05
+    assert "fits in" in out_kept

@@ -1,5 +1,5 @@
 // torch ops of the staged backward's transfers (csrc/kernels/passes/backward.cu): publish, pull,
-// push and the closing epilogue.
+// the router-weight gradients, push and the closing epilogue.
 #include "bindings/common.h"
 
 namespace {
@@ -8,7 +8,8 @@ using namespace mok_bindings;
 
 void bwd_publish(const Tensor& grad_out, Tensor& g_dst, const Tensor& probs, Tensor& p_dst, Tensor& state,
                  Tensor& errors, std::vector<int64_t> peer_flags, int64_t rank, double timeout_s,
-                 std::vector<int64_t> header) {
+                 std::vector<int64_t> header, const std::optional<Tensor>& expert_counts,
+                 const std::optional<Tensor>& expert_offsets) {
   check_cuda(grad_out, "grad_out", at::kBFloat16);
   check_cuda(g_dst, "grad_out buffer", at::kBFloat16);
   check_cuda(probs, "probs", at::kFloat);
@@ -17,44 +18,67 @@ void bwd_publish(const Tensor& grad_out, Tensor& g_dst, const Tensor& probs, Ten
   check_cuda(errors, "errors", at::kInt);
   TORCH_CHECK(grad_out.numel() == g_dst.numel() && probs.numel() == p_dst.numel(),
               "megatron_mok: bwd_publish buffers differ in size");
+  TORCH_CHECK(expert_counts.has_value() == expert_offsets.has_value(),
+              "megatron_mok: bwd_publish expert_counts and expert_offsets go together");
+  int *counts = nullptr, *offsets = nullptr, nle = 0;
+  if (expert_counts.has_value()) {
+    check_cuda(*expert_counts, "expert_counts", at::kInt);
+    check_cuda(*expert_offsets, "expert_offsets", at::kInt);
+    TORCH_CHECK(expert_offsets->numel() == expert_counts->numel() + 1,
+                "megatron_mok: bwd_publish expert_offsets must have nle + 1 entries");
+    counts = expert_counts->data_ptr<int>();
+    offsets = expert_offsets->data_ptr<int>();
+    nle = static_cast<int>(expert_counts->numel());
+  }
   c10::cuda::CUDAGuard guard(grad_out.device());
   check(mok::launch_bwd_publish(grad_out.data_ptr(), g_dst.data_ptr(), static_cast<int64_t>(grad_out.nbytes()),
                                 probs.data_ptr(), p_dst.data_ptr(), static_cast<int64_t>(probs.nbytes()),
                                 peers(peer_flags, "peer_flags"), state.data_ptr<int>(), errors.data_ptr<int>(),
                                 static_cast<int>(rank), static_cast<int>(peer_flags.size()), timeout_ns_of(timeout_s),
-                                call_header(header), current_stream()));
+                                call_header(header), current_stream(), counts, offsets, nle));
 }
 
-void bwd_pull(const Tensor& row_src_rank, const Tensor& row_src_slot, const Tensor& expert_offsets,
-              const Tensor& y_routed, Tensor& dy, std::vector<int64_t> peer_g, std::vector<int64_t> peer_p,
-              std::vector<int64_t> peer_dw, int64_t topk, int64_t num_ctas, const std::optional<Tensor>& q,
-              const std::optional<Tensor>& q_scale) {
+void bwd_pull(const Tensor& row_src_rank, const Tensor& row_src_slot, const Tensor& expert_offsets, Tensor& g_rows,
+              Tensor& row_w, std::vector<int64_t> peer_g, std::vector<int64_t> peer_p, int64_t topk, int64_t num_ctas,
+              const std::optional<Tensor>& q, const std::optional<Tensor>& q_scale) {
   for (auto* t : {&row_src_rank, &row_src_slot, &expert_offsets}) check_cuda(*t, "schedule tensor", at::kInt);
-  check_cuda(y_routed, "y_routed", at::kBFloat16);
-  check_cuda(dy, "dy", at::kBFloat16);
-  TORCH_CHECK(dy.dim() == 2 && dy.size(0) == row_src_rank.numel() && y_routed.sizes() == dy.sizes(),
-              "megatron_mok: dy and y_routed must be [capacity, H]");
-  TORCH_CHECK(peer_g.size() == peer_p.size() && peer_g.size() == peer_dw.size(),
-              "megatron_mok: peer lists differ in length");
+  check_cuda(g_rows, "g_rows", at::kBFloat16);
+  check_cuda(row_w, "row_w", at::kFloat);
+  TORCH_CHECK(g_rows.dim() == 2 && g_rows.size(0) == row_src_rank.numel() && row_w.numel() == g_rows.size(0),
+              "megatron_mok: bwd_pull g_rows must be [capacity, H] and row_w [capacity]");
+  TORCH_CHECK(peer_g.size() == peer_p.size(), "megatron_mok: peer lists differ in length");
   TORCH_CHECK(q.has_value() == q_scale.has_value(), "megatron_mok: bwd_pull q and q_scale go together");
   void* qp = nullptr;
   float* sp = nullptr;
   int64_t ld = 0;
-  if (q.has_value()) {  // dy quantized on the way (the fp8 dgrad)
+  if (q.has_value()) {  // the rows quantized on the way (the fp8 dgrad)
     check_cuda(*q, "q", at::kFloat8_e4m3fn);
-    TORCH_CHECK(q->sizes() == dy.sizes() && dy.size(1) % 128 == 0,
+    TORCH_CHECK(q->sizes() == g_rows.sizes() && g_rows.size(1) % 128 == 0,
                 "megatron_mok: bwd_pull q must be [capacity, H] (H a multiple of 128)");
-    scale_strides(*q_scale, dy.size(0), dy.size(1) / 128, false, "bwd_pull");  // [H / 128, ld >= rows]
+    scale_strides(*q_scale, g_rows.size(0), g_rows.size(1) / 128, false, "bwd_pull");  // [H / 128, ld >= rows]
     sp = q_scale->data_ptr<float>();
     qp = q->data_ptr();
     ld = q_scale->size(1);
   }
-  c10::cuda::CUDAGuard guard(dy.device());
+  c10::cuda::CUDAGuard guard(g_rows.device());
   check(mok::launch_bwd_pull(row_src_rank.data_ptr<int>(), row_src_slot.data_ptr<int>(), expert_offsets.data_ptr<int>(),
                              static_cast<int>(expert_offsets.numel() - 1), static_cast<int>(row_src_rank.numel()),
-                             peers(peer_g, "peer_g"), peers(peer_p, "peer_p"), peers(peer_dw, "peer_dw"),
-                             y_routed.data_ptr(), dy.data_ptr(), static_cast<int>(dy.size(1)), static_cast<int>(topk),
+                             peers(peer_g, "peer_g"), peers(peer_p, "peer_p"), g_rows.data_ptr(),
+                             row_w.data_ptr<float>(), static_cast<int>(g_rows.size(1)), static_cast<int>(topk),
                              static_cast<int>(num_ctas), current_stream(), qp, sp, ld));
+}
+
+void bwd_dprobs(const Tensor& dot, const Tensor& row_src_rank, const Tensor& row_src_slot, const Tensor& expert_offsets,
+                std::vector<int64_t> peer_dw) {
+  check_cuda(dot, "dot", at::kFloat);
+  for (auto* t : {&row_src_rank, &row_src_slot, &expert_offsets}) check_cuda(*t, "schedule tensor", at::kInt);
+  TORCH_CHECK(dot.dim() == 2 && dot.size(0) == row_src_rank.numel() && dot.stride(1) == 1 && dot.stride(0) == dot.size(1),
+              "megatron_mok: bwd_dprobs dot must be a contiguous [capacity, pieces]");
+  c10::cuda::CUDAGuard guard(dot.device());
+  check(mok::launch_bwd_dprobs(dot.data_ptr<float>(), static_cast<int>(dot.size(1)), row_src_rank.data_ptr<int>(),
+                               row_src_slot.data_ptr<int>(), expert_offsets.data_ptr<int>(),
+                               static_cast<int>(expert_offsets.numel() - 1), static_cast<int>(row_src_rank.numel()),
+                               peers(peer_dw, "peer_dw"), current_stream()));
 }
 
 void bwd_push(const Tensor& rows, const Tensor& row_src_rank, const Tensor& row_src_slot, const Tensor& expert_offsets,
@@ -107,11 +131,13 @@ void bwd_epilogue_wait(const Tensor& slots, const Tensor& dw_slots, const std::o
 TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
   m.def(
       "bwd_publish(Tensor grad_out, Tensor(a!) g_dst, Tensor probs, Tensor(b!) p_dst, Tensor(c!) state, "
-      "Tensor(d!) errors, int[] peer_flags, int rank, float timeout_s, int[] header=[]) -> ()");
+      "Tensor(d!) errors, int[] peer_flags, int rank, float timeout_s, int[] header=[], "
+      "Tensor(e!)? expert_counts=None, Tensor(f!)? expert_offsets=None) -> ()");
   m.def(
-      "bwd_pull(Tensor row_src_rank, Tensor row_src_slot, Tensor expert_offsets, Tensor y_routed, Tensor(a!) dy, "
-      "int[] peer_g, int[] peer_p, int[] peer_dw, int topk, int num_ctas, Tensor(b!)? q=None, "
-      "Tensor(c!)? q_scale=None) -> ()");
+      "bwd_pull(Tensor row_src_rank, Tensor row_src_slot, Tensor expert_offsets, Tensor(a!) g_rows, "
+      "Tensor(b!) row_w, int[] peer_g, int[] peer_p, int topk, int num_ctas, Tensor(c!)? q=None, "
+      "Tensor(d!)? q_scale=None) -> ()");
+  m.def("bwd_dprobs(Tensor dot, Tensor row_src_rank, Tensor row_src_slot, Tensor expert_offsets, int[] peer_dw) -> ()");
   m.def(
       "bwd_push(Tensor rows, Tensor row_src_rank, Tensor row_src_slot, Tensor expert_offsets, Tensor(a!) state, "
       "int[] peer_slots, int[] peer_flags, int rank, int num_ctas) -> ()");
@@ -123,6 +149,7 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
 TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("bwd_publish", &bwd_publish);
   m.impl("bwd_pull", &bwd_pull);
+  m.impl("bwd_dprobs", &bwd_dprobs);
   m.impl("bwd_push", &bwd_push);
   m.impl("bwd_epilogue_wait", &bwd_epilogue_wait);
 }

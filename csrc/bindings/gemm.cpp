@@ -48,16 +48,55 @@ void grouped_gemm(const Tensor& a, const Tensor& b, const std::optional<Tensor>&
                                  static_cast<int>(N), static_cast<int>(num_ctas), current_stream()));
 }
 
+// The SwiGLU backward's tensors of a down-projection dgrad (mok::SwiGLUBackward): h [rows', 2 M]
+// bf16, row_w [rows] fp32, act [rows, M] bf16, dot [rows, >= ceil(M / 64)] fp32; the last three
+// optional and only with h.
+mok::SwiGLUBackward swiglu_backward(const char* op, const std::optional<Tensor>& h,
+                                    const std::optional<Tensor>& row_w, const std::optional<Tensor>& act,
+                                    const std::optional<Tensor>& dot, int64_t rows, int64_t M) {
+  using ll = long long;
+  mok::SwiGLUBackward b;
+  MOK_CHECK(h.has_value() || (!row_w.has_value() && !act.has_value() && !dot.has_value()),
+            "megatron_mok: %s row_w, act and dot go with h (the SwiGLU backward)", op);
+  if (!h.has_value()) return b;
+  check_cuda(*h, "h", at::kBFloat16);
+  MOK_CHECK(h->dim() == 2 && h->size(1) == 2 * M, "megatron_mok: %s h must be [rows, 2 M = %lld], got %lld dims, %lld columns",
+            op, ll(2 * M), ll(h->dim()), ll(h->size(-1)));
+  b.h = h->data_ptr();
+  if (row_w.has_value()) {
+    check_cuda(*row_w, "row_w", at::kFloat);
+    MOK_CHECK(row_w->numel() == rows, "megatron_mok: %s row_w must hold one weight per row (%lld), got %lld", op, ll(rows),
+              ll(row_w->numel()));
+    b.row_w = row_w->data_ptr<float>();
+  }
+  if (act.has_value()) {
+    check_cuda(*act, "act", at::kBFloat16);
+    MOK_CHECK(act->dim() == 2 && act->size(0) == rows && act->size(1) == M, "megatron_mok: %s act must be [%lld, %lld]", op,
+              ll(rows), ll(M));
+    b.act = act->data_ptr();
+  }
+  if (dot.has_value()) {
+    check_cuda(*dot, "dot", at::kFloat);
+    MOK_CHECK(dot->dim() == 2 && dot->size(0) == rows && dot->size(1) >= (M + 63) / 64,
+              "megatron_mok: %s dot must be [%lld, >= %lld]", op, ll(rows), ll((M + 63) / 64));
+    b.dot = dot->data_ptr<float>();
+    b.dot_ld = static_cast<int>(dot->size(1));
+  }
+  return b;
+}
+
 // Block-scaled e4m3 routed GEMM: x8 [rows, K] with x_scale [K / 128, ld >= rows] (quantize_rows_e4m3),
 // w8 [nseg, swiglu ? 2 N : N, K] with w_scale [nseg, weight tiles, K / 128] (fp8.quantize_weight).
 // h (the backward's down-projection dgrad, plain weights): out = dh [rows, 2 N], the SwiGLU backward
-// of the products with the forward's pre-activations h [rows, 2 N].
+// (swiglu_backward: h, row_w, act, dot).
 void expert_gemm_fp8(const Tensor& x8, const Tensor& x_scale, const Tensor& w8, const Tensor& w_scale,
                      const Tensor& seg_offsets, const Tensor& seg_counts, Tensor& out,
                      const std::optional<Tensor>& pre_out, bool swiglu, int64_t num_ctas,
                      const std::optional<Tensor>& h, const std::optional<Tensor>& push_rank,
                      const std::optional<Tensor>& push_slot, std::vector<int64_t> push_peers,
-                     const std::optional<Tensor>& dh_q, const std::optional<Tensor>& dh_q_scale) {
+                     const std::optional<Tensor>& dh_q, const std::optional<Tensor>& dh_q_scale,
+                     const std::optional<Tensor>& row_w, const std::optional<Tensor>& act,
+                     const std::optional<Tensor>& dot) {
   check_cuda(x8, "x8", at::kFloat8_e4m3fn);
   check_cuda(w8, "w8", at::kFloat8_e4m3fn);
   check_cuda(x_scale, "x_scale", at::kFloat);
@@ -88,14 +127,12 @@ void expert_gemm_fp8(const Tensor& x8, const Tensor& x_scale, const Tensor& w8, 
                 "megatron_mok: expert_gemm_fp8 pre_out must be [rows, 2 N]");
     pre = pre_out->data_ptr();
   }
-  const void* hp = nullptr;
   if (h.has_value()) {
     TORCH_CHECK(!swiglu && !pre_out.has_value(), "megatron_mok: expert_gemm_fp8 h (SwiGLU backward) needs plain weights");
-    check_cuda(*h, "h", at::kBFloat16);
     TORCH_CHECK(out.size(1) % 2 == 0 && h->sizes() == out.sizes(),
                 "megatron_mok: expert_gemm_fp8 with h: h and out (dh) must both be [rows, 2 N]");
-    hp = h->data_ptr();
   }
+  const mok::SwiGLUBackward bwd = swiglu_backward("expert_gemm_fp8", h, row_w, act, dot, x8.size(0), N);
   TORCH_CHECK(push_rank.has_value() == push_slot.has_value() && push_rank.has_value() == !push_peers.empty(),
               "megatron_mok: expert_gemm_fp8 push_rank, push_slot and push_peers go together");
   mok::PeerPtrs bufs{};
@@ -125,7 +162,7 @@ void expert_gemm_fp8(const Tensor& x8, const Tensor& x_scale, const Tensor& w8, 
   check(mok::launch_expert_gemm_fp8(swiglu, x8.data_ptr(), x8.size(0), static_cast<int>(K), x_scale.data_ptr<float>(),
                                     static_cast<int>(x_scale.size(1)), w8.data_ptr(), w_scale.data_ptr<float>(),
                                     static_cast<int>(nseg), seg_offsets.data_ptr<int>(), seg_counts.data_ptr<int>(),
-                                    out.data_ptr(), pre, static_cast<int>(N), hp,
+                                    out.data_ptr(), pre, static_cast<int>(N), bwd,
                                     push_rank.has_value() ? push_rank->data_ptr<int>() : nullptr,
                                     push_slot.has_value() ? push_slot->data_ptr<int>() : nullptr,
                                     push_rank.has_value() ? &bufs : nullptr,
@@ -138,7 +175,8 @@ void expert_gemm_fp8(const Tensor& x8, const Tensor& x_scale, const Tensor& w8, 
 // The routed dgrad on the expert-major GEMM: out = dy @ w[e] per segment; with h, out = dh (the
 // SwiGLU backward fused into the epilogue).
 void expert_dgrad(const Tensor& dy, const Tensor& w, const Tensor& seg_offsets, const Tensor& seg_counts, Tensor& out,
-                  const std::optional<Tensor>& h, int64_t num_ctas) {
+                  const std::optional<Tensor>& h, int64_t num_ctas, const std::optional<Tensor>& row_w,
+                  const std::optional<Tensor>& act, const std::optional<Tensor>& dot) {
   check_cuda(dy, "dy", at::kBFloat16);
   check_cuda(w, "w", at::kBFloat16);
   check_cuda(out, "out", at::kBFloat16);
@@ -155,17 +193,11 @@ void expert_dgrad(const Tensor& dy, const Tensor& w, const Tensor& seg_offsets, 
   const int64_t out_cols = h.has_value() ? 2 * M : M;
   MOK_CHECK(out.size(0) == dy.size(0) && out.size(1) == out_cols, "megatron_mok: expert_dgrad out must be [%lld, %lld], got [%lld, %lld]",
             ll(dy.size(0)), ll(out_cols), ll(out.size(0)), ll(out.size(1)));
-  const void* hp = nullptr;
-  if (h.has_value()) {
-    check_cuda(*h, "h", at::kBFloat16);
-    MOK_CHECK(h->dim() == 2 && h->size(1) == 2 * M, "megatron_mok: expert_dgrad h must be [rows, 2 M = %lld], got %lld dims, %lld columns",
-              ll(2 * M), ll(h->dim()), ll(h->size(-1)));
-    hp = h->data_ptr();
-  }
+  const mok::SwiGLUBackward bwd = swiglu_backward("expert_dgrad", h, row_w, act, dot, dy.size(0), M);
   c10::cuda::CUDAGuard guard(dy.device());
   check(mok::launch_expert_dgrad(dy.data_ptr(), dy.size(0), static_cast<int>(K), w.data_ptr(), static_cast<int>(M),
                                  static_cast<int>(nseg), seg_offsets.data_ptr<int>(), seg_counts.data_ptr<int>(),
-                                 out.data_ptr(), hp, static_cast<int>(num_ctas), current_stream()));
+                                 out.data_ptr(), bwd, static_cast<int>(num_ctas), current_stream()));
 }
 
 // Routed weight gradients on the expert-major ring: out[e] = a[rows of e]^T @ b[rows of e].
@@ -228,10 +260,11 @@ TORCH_LIBRARY_FRAGMENT(megatron_mok, m) {
   m.def(
       "expert_gemm_fp8(Tensor x8, Tensor x_scale, Tensor w8, Tensor w_scale, Tensor seg_offsets, Tensor seg_counts, "
       "Tensor(a!) out, Tensor(b!)? pre_out, bool swiglu, int num_ctas=0, Tensor? h=None, Tensor? push_rank=None, "
-      "Tensor? push_slot=None, int[] push_peers=[], Tensor(c!)? dh_q=None, Tensor(d!)? dh_q_scale=None) -> ()");
+      "Tensor? push_slot=None, int[] push_peers=[], Tensor(c!)? dh_q=None, Tensor(d!)? dh_q_scale=None, "
+      "Tensor? row_w=None, Tensor(e!)? act=None, Tensor(f!)? dot=None) -> ()");
   m.def(
       "expert_dgrad(Tensor dy, Tensor w, Tensor seg_offsets, Tensor seg_counts, Tensor(a!) out, Tensor? h=None, "
-      "int num_ctas=0) -> ()");
+      "int num_ctas=0, Tensor? row_w=None, Tensor(b!)? act=None, Tensor(c!)? dot=None) -> ()");
   m.def(
       "expert_wgrad(Tensor a, Tensor a_offsets, Tensor b, Tensor b_offsets, Tensor counts, Tensor(a!) out, "
       "int num_ctas=0) -> ()");

@@ -41,7 +41,11 @@ struct CallHeader {
 
 // int32 elements of a barrier buffer with header regions: ep epoch slots, then
 // [kHeaderRegions][ep][kHeaderWords] headers (rank q's header in slot q of every peer's buffer).
-inline int64_t barrier_flag_ints(int ep) { return ep + static_cast<int64_t>(kHeaderRegions) * ep * kHeaderWords; }
+// Then [ep][kVerdictWords]: rank q's verdict record {rejected epoch, verdict word} (barrier_reject).
+constexpr int kVerdictWords = 2;
+inline int64_t barrier_flag_ints(int ep) {
+  return ep + static_cast<int64_t>(kHeaderRegions) * ep * kHeaderWords + static_cast<int64_t>(kVerdictWords) * ep;
+}
 
 // Indices of the per-workspace int32 `state` tensor (local, not symmetric).
 enum StateSlot : int {
@@ -55,14 +59,19 @@ enum StateSlot : int {
   kStateSchedReleased = 6,  // phases released (1: routing gathered, 2: scan done)
   kStateSchedExit = 7,      // blocks that have exited
   kStateSchedAbort = 8,     // a wait of the launch gave up (watchdog)
+  kStateHalted = 9,  // errors[kErrHeaderMismatch] was set at a barrier: barriers open nothing (barrier.cuh)
   kStateInts = 16,          // the Python side mirrors it (STATE_INTS)
 };
 
 // ---- comm/: the cross-rank barrier, the routing schedule, dispatch and combine --------------
 
 // dst[0, bytes) <- src (this rank's symmetric x buffer), then a full barrier (one launch).
+// expert_counts [nle] / expert_offsets [nle + 1] (optional): the schedule of the call, emptied once
+// errors[kErrHeaderMismatch] is set (a peer's verdict, a header mismatch): no later kernel that reads
+// it touches a peer's rows (also launch_barrier's).
 const char* launch_publish_barrier(const void* src, void* dst, int64_t bytes, const PeerPtrs& flags, int* state,
-                                   int* errors, int rank, int ep, uint64_t timeout_ns, cudaStream_t stream);
+                                   int* errors, int rank, int ep, uint64_t timeout_ns, cudaStream_t stream,
+                                   int* expert_counts = nullptr, int* expert_offsets = nullptr, int nle = 0);
 
 // Cross-rank barrier on epoch counters: each rank stores its new epoch into slot `rank` of every
 // peer's symmetric int32 [ep] flag buffer (st.release.sys), then waits (ld.acquire.sys) until all
@@ -70,11 +79,19 @@ const char* launch_publish_barrier(const void* src, void* dst, int64_t bytes, co
 // errors[kErrPeerTimeout] and returns instead of hanging. Later barriers skip waiting once that
 // flag is set. bump_gather: also advance the routing double buffer (after the all-gather).
 const char* launch_barrier(const PeerPtrs& flags, int* state, int* errors, int rank, int ep, uint64_t timeout_ns,
-                           int bump_gather, cudaStream_t stream);
+                           int bump_gather, cudaStream_t stream, int* expert_counts = nullptr,
+                           int* expert_offsets = nullptr, int nle = 0);
 
 // The opening half of that barrier alone (after the stream's earlier kernels); a later wait on the
 // same epoch (bwd_epilogue with wait_flags) closes it.
 const char* launch_barrier_open(const PeerPtrs& flags, int* state, int rank, int ep, cudaStream_t stream);
+
+// A rank whose host checks failed joins the barrier its peers wait in, without waiting: its verdict
+// record {next epoch, verdict} into every peer's buffer, then the negated epoch into its slot (the
+// waiters set errors[kErrHeaderMismatch] = -(1 + rank), errors[kErrHeaderValue] = verdict).
+// bump_gather: the peers are in the schedule's barrier (which flips the routing double buffer).
+const char* launch_barrier_reject(const PeerPtrs& flags, int* state, int* errors, int rank, int ep, int bump_gather,
+                                  int verdict, cudaStream_t stream);
 
 // Scratch int32 elements that launch_schedule needs (uninitialised is fine).
 int64_t schedule_scratch_ints(int ep, int T, int nle, int num_experts);
@@ -143,33 +160,48 @@ const char* launch_expert_gemm(bool swiglu, const void* A, int64_t a_rows, int K
                                const int* seg_offsets, const int* seg_counts, void* out, void* pre_out, int N,
                                int num_ctas, cudaStream_t stream);
 
+// The SwiGLU backward fused into the down projection's dgrad epilogue (gemm/expert_gemm.cuh:
+// xgemm::SwiGLUBwd). With da = bf16(dy @ w[e]) of the unweighted grad_out rows dy:
+//   h      [rows, 2 M] the forward's pre-activations [gate | up] (nullptr: no SwiGLU backward);
+//   row_w  [rows] fp32 router weight of each row (nullptr: 1); out = dh = [d_gate | d_up] of w * da;
+//   act    [rows, M] bf16 (optional): bf16(w * silu(gate) * up), the down wgrad's operand;
+//   dot    [rows, dot_ld] fp32 (optional): per 64 columns, sum da * silu(gate) * up (the pieces of
+//          the router-weight gradient, launch_bwd_dprobs sums them).
+struct SwiGLUBackward {
+  const void* h = nullptr;
+  const float* row_w = nullptr;
+  void* act = nullptr;
+  float* dot = nullptr;
+  int dot_ld = 0;
+};
+
 // Block-scaled e4m3 routed GEMM (expert_gemm_fp8.cuh), the expert-major launch of
 // launch_grouped_gemm with e4m3 operands: x8 [rows, K] with x_scale [K / 128][x_scale_ld]
 // (launch_quantize_rows_e4m3), w8 [nseg * (swiglu ? 2 N : N), K] with w_scale
 // [nseg][weight tiles][K / 128] (tiles of 128 rows; swiglu: gate rows 64 b .. +63 with the same up
-// rows). Outputs as launch_grouped_gemm's (bf16). K a multiple of 128. h (optional, plain weights
-// only): the backward's down-projection dgrad, out = dh [rows, 2 N] = the SwiGLU backward of the
-// products with the forward's pre-activations h [rows, 2 N] (launch_expert_dgrad's epilogue).
+// rows). Outputs as launch_grouped_gemm's (bf16). K a multiple of 128. bwd.h (optional, plain
+// weights only): the backward's down-projection dgrad, out = dh [rows, 2 N] (launch_expert_dgrad's
+// epilogue).
 // push_rank (optional, plain weights only): each real row also goes to slot push_slot[row] of rank
 // push_rank[row]'s buffer push_bufs (the forward's combine, launch_combine's stores, in the epilogue).
-// dh_q (optional, with h): dh's e4m3 copy as well, the bits of launch_quantize_rows_e4m3(dh,
+// dh_q (optional, with bwd.h): dh's e4m3 copy as well, the bits of launch_quantize_rows_e4m3(dh,
 // gate_up_pairs) for rows below seg_offsets[nseg]: dh_q [rows, 2 N] with dh_q_scale
 // [2 N / 128][dh_q_ld], written by the epilogue.
 // tickets: one int of device memory this launch alone uses (zeroed on the stream, then the CTAs
-// claim their tasks from it).
+// claim their tasks from it). bwd (with h): the SwiGLU backward's other inputs and outputs
+// (SwiGLUBackward, launch_expert_dgrad's).
 const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, int K, const float* x_scale,
                                    int x_scale_ld, const void* w8, const float* w_scale, int nseg,
                                    const int* seg_offsets, const int* seg_counts, void* out, void* pre_out, int N,
-                                   const void* h, const int* push_rank, const int* push_slot,
+                                   const SwiGLUBackward& bwd, const int* push_rank, const int* push_slot,
                                    const PeerPtrs* push_bufs, void* dh_q, float* dh_q_scale, int64_t dh_q_ld,
                                    int* tickets, int num_ctas, cudaStream_t stream);
 
 // The routed dgrad, expert-major: out[r] = dy[r] @ w[e] ([rows, K] x [K, M]) for the rows r of
-// segment e (real rows from seg_counts; a segment's other rows get zeros). With h ([rows', 2 M]
-// = [gate | up], row r of the forward's rows r): out = [d_gate | d_up] ([rows, 2 M]) of
-// da = bf16(dy @ w[e]), the SwiGLU backward fused.
+// segment e (real rows from seg_counts; a segment's other rows get zeros). With bwd.h: the SwiGLU
+// backward fused (SwiGLUBackward), out = dh [rows, 2 M].
 const char* launch_expert_dgrad(const void* dy, int64_t rows, int K, const void* w, int M, int nseg,
-                                const int* seg_offsets, const int* seg_counts, void* out, const void* h,
+                                const int* seg_offsets, const int* seg_counts, void* out, const SwiGLUBackward& bwd,
                                 int num_ctas, cudaStream_t stream);
 
 // Routed weight gradients, expert-major: out[e] = a[rows of e]^T @ b[rows of e] ([M, N] per
@@ -226,21 +258,31 @@ const char* launch_quantize_columns_e4m3(const void* x, bool x_e4m3, const float
 
 // g_dst <- g (grad_out [T, H] bf16, 16-byte aligned), p_dst <- p (probs [T, k] fp32): this rank's
 // symmetric buffers; then the last block runs a full barrier (one launch) that carries the
-// backward's header (CallHeader, site 1) when header.words[0] != 0.
+// backward's header (CallHeader, site 1) when header.words[0] != 0. expert_counts / expert_offsets
+// (optional): the call's schedule, emptied once errors[kErrHeaderMismatch] is set (launch_barrier's).
 const char* launch_bwd_publish(const void* g, void* g_dst, int64_t g_bytes, const void* p, void* p_dst,
                                int64_t p_bytes, const PeerPtrs& flags, int* state, int* errors, int rank, int ep,
-                               uint64_t timeout_ns, const CallHeader& header, cudaStream_t stream);
+                               uint64_t timeout_ns, const CallHeader& header, cudaStream_t stream,
+                               int* expert_counts = nullptr, int* expert_offsets = nullptr, int nle = 0);
 
 // Pull of the backward: routed row i (< min(expert_offsets[nle], capacity)) reads grad_out row
-// row_src_slot[i] / k and router weight [row_src_slot[i]] of rank row_src_rank[i] (g_bufs, p_bufs),
-// writes dy[i] = bf16(w * g) and stores <g, y_routed[i]> (fp32, fixed order) into
-// dw_bufs[row_src_rank[i]][row_src_slot[i]]. Padding rows: dy = 0, nothing pushed.
-// q (optional; H a multiple of 128): dy also quantized for the fp8 dgrad, the bits of
-// launch_quantize_rows_e4m3 on dy: q [rows, H] e4m3, scale [H / 128][scale_ld].
+// row_src_slot[i] / k and router weight [row_src_slot[i]] of rank row_src_rank[i] (g_bufs, p_bufs)
+// and writes the row as it is into g_rows[i] and the weight into row_w[i] (the down dgrad's
+// epilogue applies it). Padding rows: zeros, weight 0.
+// q (optional; H a multiple of 128): the rows also quantized for the fp8 dgrad, the bits of
+// launch_quantize_rows_e4m3 on g_rows: q [rows, H] e4m3, scale [H / 128][scale_ld].
 const char* launch_bwd_pull(const int* row_src_rank, const int* row_src_slot, const int* expert_offsets, int nle,
-                            int capacity, const PeerPtrs& g_bufs, const PeerPtrs& p_bufs, const PeerPtrs& dw_bufs,
-                            const void* y_routed, void* dy, int H, int k, int num_ctas, cudaStream_t stream,
-                            void* q = nullptr, float* scale = nullptr, int64_t scale_ld = 0);
+                            int capacity, const PeerPtrs& g_bufs, const PeerPtrs& p_bufs, void* g_rows,
+                            float* row_w, int H, int k, int num_ctas, cudaStream_t stream, void* q = nullptr,
+                            float* scale = nullptr, int64_t scale_ld = 0);
+
+// The router-weight gradients: routed row i's <g, y_i> = the sum of its dgrad dot pieces
+// dot[i, 0 .. dot_ld) in column order (SwiGLUBackward::dot), stored into
+// dw_bufs[row_src_rank[i]][row_src_slot[i]] (the source rank's symmetric [T * k] fp32 buffer).
+// Padding rows: nothing. Launched before the push that opens the closing barrier.
+const char* launch_bwd_dprobs(const float* dot, int dot_ld, const int* row_src_rank, const int* row_src_slot,
+                              const int* expert_offsets, int nle, int capacity, const PeerPtrs& dw_bufs,
+                              cudaStream_t stream);
 
 // Push of the backward: routed row i's rows[i] -> slot row_src_slot[i] of rank row_src_rank[i]'s
 // symmetric [T * k, H] buffer (like launch_combine); then the last block opens a barrier (new epoch

@@ -53,6 +53,11 @@ class Comm:
             self._counters[n] = torch.zeros((n,), dtype=torch.int32, device=self.ws.device)
         return self._counters[n]
 
+    def nbytes(self) -> int:
+        """Bytes of this rank's symmetric buffers (a per-GPU constant of the workspace, shared by every
+        layer and call of its shape; docs/DESIGN.md 7.2 has the formula)."""
+        return sum(buf.numel() * buf.element_size() for buf, _ in self.buffers.values())
+
     def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, init_zero: bool = False):
         """(this rank's tensor, every rank's address of it in rank order), cached by name and shape."""
         key = (name, tuple(shape), dtype)

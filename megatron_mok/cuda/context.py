@@ -1,4 +1,14 @@
-"""What the forward keeps for the backward (``KernelContext``) and how the backward reads it."""
+"""What the forward keeps for the backward (``KernelContext``), and its size formula.
+
+The context keeps only what the backward cannot get back cheaply: the gate/up pre-activations.
+Everything else is recovered (docs/DESIGN.md, "What the forward keeps"):
+
+* the routed token rows: dispatched again from the layer input, which the caller keeps anyway
+  (``dispatch.regather``, the forward's own dispatch: the same bits, bf16 or e4m3);
+* the SwiGLU outputs (routed and shared): recomputed from ``h`` in the down dgrad's epilogue;
+* the routed expert outputs, which only the router-weight gradient ``<g, y>`` needs: the down
+  dgrad forms it as ``<g @ fc2[e], act>`` from its own product.
+"""
 
 from __future__ import annotations
 
@@ -6,43 +16,32 @@ import dataclasses
 
 import torch
 
-from .. import ops
-from ..schedule import MoKSchedule
-
 
 @dataclasses.dataclass
 class KernelContext:
     """What the forward keeps for the backward (bf16; freshly allocated per call).
 
-    Rows at or past ``sched.expert_offsets[nle]`` are never written (undefined); padding rows
-    inside an expert segment hold zeros in ``x_routed`` (and the matching GEMM outputs).
-    ``h`` / ``shared_h``: the gate/up pre-activations, written by the same GEMM epilogue that
-    activates them (``MoKConfig.save_gate_up``); None: the backward recomputes them with that GEMM
-    (same bits, one gate/up GEMM more, 2 I (2 Is) bf16 less per routed row (token)).
-    fp8 (``MoKConfig.precision``): the rows were dispatched in e4m3 (``x_e4m3``, ``x_scale``: half
-    the bytes); the backward dequantizes them (``routed_rows``) into a tensor of its own. ``h`` is
-    always kept (a bf16 recompute would not give the e4m3 GEMM's values).
+    ``h`` ``[capacity, 2 I]``: the routed gate/up pre-activations ``[x @ gate^T | x @ up^T]``, in
+    the schedule's padded row layout (rows at or past ``sched.expert_offsets[nle]`` are never
+    written, padding rows inside a segment hold zeros); ``shared_h`` ``[T, 2 Is]``: the shared
+    expert's. Both are written by the epilogue of the GEMM that activates them. None
+    (``MoKConfig.save_gate_up`` off, bf16 only): the backward recomputes them with that GEMM from
+    the dispatched rows (the same bits; one gate/up GEMM more). fp8 keeps them always: a bf16
+    recompute would not give the e4m3 GEMM's values.
     """
 
-    x_routed: torch.Tensor | None  # [cap, H] dispatched rows (fp8: None until the backward dequantizes)
-    act: torch.Tensor  # [cap, I] silu(x_routed @ gate^T) * (x_routed @ up^T)
-    y_routed: torch.Tensor  # [cap, H] unweighted expert outputs (router-weight gradient)
-    shared_act: torch.Tensor | None  # [T, Is] SwiGLU output of the shared expert
-    h: torch.Tensor | None = None  # [cap, 2I] [x_routed @ gate^T | x_routed @ up^T]
-    shared_h: torch.Tensor | None = None  # [T, 2Is]
-    x_e4m3: torch.Tensor | None = None  # fp8: [cap, H] the dispatched rows in e4m3
-    # fp8: their scales [H / 128, ld] (the layout the e4m3 GEMMs read)
-    x_scale: torch.Tensor | None = None
+    h: torch.Tensor | None
+    shared_h: torch.Tensor | None = None
 
     def nbytes(self) -> int:
         """Bytes this context holds (the activation memory the layer keeps for its backward)."""
         return sum(t.numel() * t.element_size() for t in dataclasses.astuple(self) if isinstance(t, torch.Tensor))
 
 
-def routed_rows(ctx: KernelContext, sched: MoKSchedule) -> torch.Tensor:
-    """ctx.x_routed; fp8: the e4m3 rows dequantized to bf16 (a new tensor per call)."""
-    if ctx.x_routed is not None:
-        return ctx.x_routed
-    x = torch.empty(ctx.x_e4m3.shape, dtype=torch.bfloat16, device=ctx.x_e4m3.device)
-    ops.dequantize_rows_e4m3(ctx.x_e4m3, ctx.x_scale, x, sched.expert_offsets[-1:])
-    return x
+def saved_bytes(capacity: int, num_tokens: int, intermediate: int, shared_intermediate: int | None,
+                keep_gate_up: bool) -> int:
+    """Bytes of a ``KernelContext`` (the design table's formula): ``2 I`` bf16 per routed row of
+    the capacity plus ``2 Is`` bf16 per token, or nothing when the gate/up outputs are recomputed."""
+    if not keep_gate_up:
+        return 0
+    return 2 * (capacity * 2 * intermediate + num_tokens * 2 * (shared_intermediate or 0))

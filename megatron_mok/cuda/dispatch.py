@@ -4,6 +4,8 @@ bf16: x is copied into this rank's symmetric x buffer, a device barrier, then th
 (csrc/kernels/comm/dispatch.cu). fp8: x is quantized into symmetric e4m3 rows and scale rows
 (one scale per row and 128 columns), a barrier, then the pull moves half the bytes and writes the
 scales straight into the layout the e4m3 GEMMs read.
+
+The backward dispatches once more (``regather``): the forward keeps no routed rows.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ from ..workspace import MoKWorkspace
 from .comm import comm
 
 
-def publish_bf16(cfg: MoKConfig, ws: MoKWorkspace, x: torch.Tensor) -> list[int]:
-    """x into this rank's symmetric buffer, then a device barrier; returns the peers' addresses."""
+def publish_bf16(cfg: MoKConfig, ws: MoKWorkspace, x: torch.Tensor, sched: MoKSchedule | None = None) -> list[int]:
+    """x into this rank's symmetric buffer, then a device barrier; returns the peers' addresses.
+    sched: the call's schedule, which the barrier empties if this rank is stopped (a peer rejected
+    its input, or a header mismatch): then no later kernel moves a row."""
     c = comm(ws)
     xs, x_ptrs = c.buffer("x", (ws.num_tokens, ws.hidden), torch.bfloat16)
     xs.copy_(x)
-    ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
+    ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s, schedule=sched)
     return x_ptrs
 
 
@@ -43,14 +47,15 @@ def _x_e4m3_buffers(ws: MoKWorkspace):
     return c.buffer("x_e4m3", (T, H // 2), torch.bfloat16), c.buffer("x_scale", (T, 2 * pitch), torch.bfloat16), pitch
 
 
-def publish_e4m3(cfg: MoKConfig, ws: MoKWorkspace, x: torch.Tensor):
-    """Quantize this rank's rows into its symmetric buffers, then a device barrier. Returns
+def publish_e4m3(cfg: MoKConfig, ws: MoKWorkspace, x: torch.Tensor, sched: MoKSchedule | None = None):
+    """Quantize this rank's rows into its symmetric buffers, then a device barrier (sched: as
+    ``publish_bf16``'s). Returns
     ((e4m3 rows, peer addresses), (scale rows, peer addresses), scale pitch in floats)."""
     c = comm(ws)
     rows, scales, pitch = _x_e4m3_buffers(ws)
     ops.quantize_rows_e4m3_into(x.contiguous(), rows[0].view(torch.float8_e4m3fn), scales[0].view(torch.float32),
                                 scale_rows=True)
-    ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
+    ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s, schedule=sched)
     return rows, scales, pitch
 
 
@@ -73,3 +78,26 @@ def dispatch_e4m3(ws: MoKWorkspace, sched: MoKSchedule, published, comm_ctas: in
     ops.dispatch_e4m3(sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, q_routed, s_routed, q_ptrs, s_ptrs,
                       pitch, ws.topk, comm_ctas)
     return q_routed, s_routed
+
+
+def regather(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x: torch.Tensor, comm_ctas: int = 0):
+    """The routed rows once more, for the backward: the forward's own dispatch of the layer input
+    (the same bits: bf16 rows [cap, H], or fp8 (e4m3 rows, scales) as ``dispatch_e4m3`` gives them),
+    then a barrier after which no peer reads this rank's published rows."""
+    if cfg.precision == "fp8":
+        rows = dispatch_e4m3(ws, sched, publish_e4m3(cfg, ws, x, sched), comm_ctas)
+    else:
+        rows = dispatch_bf16(ws, sched, publish_bf16(cfg, ws, x, sched), comm_ctas)
+    c = comm(ws)
+    ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s, schedule=sched)
+    return rows
+
+
+def rows_bf16(rows, sched: MoKSchedule) -> torch.Tensor:
+    """``regather``'s rows in bf16: as they are, or the e4m3 rows dequantized (a new tensor)."""
+    if isinstance(rows, torch.Tensor):
+        return rows
+    q, scale = rows
+    x = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    ops.dequantize_rows_e4m3(q, scale, x, sched.expert_offsets[-1:])
+    return x

@@ -94,18 +94,22 @@ def shared_down(shared_act, shared_fc2, gemm_ctas: int = 0, seg=None, w8=None) -
 
 
 def routed_bf16(sched: MoKSchedule, x_routed, fc1, fc2, act, h, y_routed, gemm_ctas: int = 0) -> None:
-    """act = SwiGLU(x_routed @ fc1[e]^T) (h: also the pre-activations), y_routed = act @ fc2[e]^T."""
+    """act = SwiGLU(x_routed @ fc1[e]^T) (h: also the pre-activations), y_routed = act @ fc2[e]^T
+    (y_routed None: no down GEMM)."""
     ops.grouped_gemm(x_routed, fc1.contiguous(), sched.expert_offsets, act, True, gemm_ctas, sched.expert_counts,
                      pre_out=h)
-    ops.grouped_gemm(act, fc2.contiguous(), sched.expert_offsets, y_routed, False, gemm_ctas, sched.expert_counts)
+    if y_routed is not None:
+        ops.grouped_gemm(act, fc2.contiguous(), sched.expert_offsets, y_routed, False, gemm_ctas, sched.expert_counts)
 
 
 def routed_fp8(sched: MoKSchedule, x_e4m3, x_scale, w8, act, h, y_routed, gemm_ctas: int = 0, push=None) -> None:
     """The routed gate/up and down GEMMs on block-scaled e4m3 operands (the SwiGLU output quantized
-    per row and 128 columns up to the last segment's end); outputs bf16. push (the peers' combine
-    buffers): the down GEMM's epilogue also does the combine's stores."""
+    per row and 128 columns up to the last segment's end); outputs bf16 (y_routed None: no down
+    GEMM). push (the peers' combine buffers): the down GEMM's epilogue also does the combine's stores."""
     ops.expert_gemm_fp8(x_e4m3, x_scale, w8.fc1.q, w8.fc1.scale, sched.expert_offsets, sched.expert_counts, act, True,
                         pre_out=h, num_ctas=gemm_ctas)
+    if y_routed is None:
+        return
     aq, as_ = ops.quantize_rows_e4m3(act, sched.expert_offsets[-1:])
     ops.expert_gemm_fp8(aq, as_, w8.fc2.q, w8.fc2.scale, sched.expert_offsets, sched.expert_counts, y_routed, False,
                         num_ctas=gemm_ctas,
@@ -128,44 +132,32 @@ def recompute_gate_up(a: torch.Tensor, fc1: torch.Tensor, sched: MoKSchedule | N
 # ---- backward -----------------------------------------------------------------------------------
 
 
-def routed_dgrads_bf16(dy, fc1, fc2, offsets, counts, h, dh, dx_rows, dh_done=None) -> None:
-    """dh = SwiGLU'(h, dy @ fc2[e]) (fused in the first GEMM's epilogue), dx_rows = dh @ fc1[e]; the
-    expert-major GEMM reads the weights MN-major. dh_done: called once dh is written."""
-    ops.expert_dgrad(dy, fc2, offsets, counts, dh, h=h)
-    if dh_done is not None:
-        dh_done()
-    ops.expert_dgrad(dh, fc1, offsets, counts, dx_rows)
+def down_dgrad_bf16(g_rows, fc2, offsets, counts, h, row_w, dh, act_w, dot) -> None:
+    """dh = SwiGLU'(h, w * (g @ fc2[e])) with the router weights ``row_w``; act_w = bf16(w * act)
+    (act recomputed from h) and the router-weight gradient's pieces ``dot`` from the same epilogue
+    (``ops.expert_dgrad``); the expert-major GEMM reads the weights MN-major."""
+    ops.expert_dgrad(g_rows, fc2, offsets, counts, dh, h=h, row_w=row_w, act=act_w, dot=dot)
 
 
-def routed_dgrads_fp8(w8, dyq, dys, h, offsets, counts, dh, dx_rows, push=None, dh_done=None) -> None:
-    """The routed dgrads on block-scaled e4m3 operands: dh = SwiGLU'(h, dy @ fc2[e]) from dy in
-    e4m3 (quantized by the pull) against fc2's transposed copy, then dx_rows = dh @ fc1[e] from dh's
-    e4m3 copy (written by the first GEMM's epilogue, gate/up pair blocks) against fc1's transposed
-    copy. push = (row_src_rank, row_src_slot, peer slot buffers): the second GEMM's epilogue also
-    stores the dx rows into their source slots. dh_done: called once dh is written."""
+def down_dgrad_fp8(w8, gq, gs, h, offsets, counts, row_w, dh, act_w, dot):
+    """``down_dgrad_bf16`` on block-scaled e4m3 operands: the grad_out rows in e4m3 (quantized by
+    the pull) against fc2's transposed copy. Also writes dh's e4m3 copy (gate/up pair blocks), the
+    fc1 dgrad's operand: returns it (q, scale)."""
     dhq, dhs = ops.empty_rows_e4m3(*dh.shape, dh.device)
-    ops.expert_gemm_fp8(dyq, dys, w8.fc2_t.q, w8.fc2_t.scale, offsets, counts, dh, False, h=h, dh_e4m3=(dhq, dhs))
-    if dh_done is not None:
-        dh_done()
+    ops.expert_gemm_fp8(gq, gs, w8.fc2_t.q, w8.fc2_t.scale, offsets, counts, dh, False, h=h, dh_e4m3=(dhq, dhs),
+                        row_w=row_w, act=act_w, dot=dot)
+    return dhq, dhs
+
+
+def fc1_dgrad_fp8(w8, dhq, dhs, offsets, counts, dx_rows, push) -> None:
+    """dx_rows = dh @ fc1[e] from dh's e4m3 copy against fc1's transposed copy; push = (row_src_rank,
+    row_src_slot, peer slot buffers): the epilogue also stores the rows into their source slots."""
     ops.expert_gemm_fp8(dhq, dhs, w8.fc1_t.q, w8.fc1_t.scale, offsets, counts, dx_rows, False, push=push)
-
-
-def wgrad_operands_e4m3(ctx: KernelContext, sched: MoKSchedule) -> tuple:
-    """The e4m3 weight gradients' operands that the forward left: act and the dispatched rows (from
-    their e4m3 copy when the context keeps no bf16 rows), transposed into e4m3 with one scale per
-    (expert, column): (act_t, act_scale, x_t, x_scale)."""
-    offsets, counts = sched.expert_offsets, sched.expert_counts
-    act_t, act_s = ops.quantize_columns_e4m3(ctx.act, offsets, counts)
-    if ctx.x_routed is not None:
-        x_t, x_s = ops.quantize_columns_e4m3(ctx.x_routed, offsets, counts)
-    else:
-        x_t, x_s = ops.quantize_columns_e4m3(ctx.x_e4m3, offsets, counts, x_scale=ctx.x_scale)
-    return act_t, act_s, x_t, x_s
 
 
 def shared_backward(ws: MoKWorkspace, ctx: KernelContext, g, x, shared_fc1, shared_fc2):
     """(dsfc1, dsfc2, shared_dx) of the shared expert on the expert-major GEMMs, the shared expert
-    being one segment of T rows."""
+    being one segment of T rows; its SwiGLU output comes back from the down dgrad's epilogue."""
     shared_fc1, shared_fc2 = shared_fc1.contiguous(), shared_fc2.contiguous()
     T, H, Is = g.shape[0], g.shape[1], shared_fc1.shape[0] // 2
     seg = comm(ws).shared_seg
@@ -173,12 +165,14 @@ def shared_backward(ws: MoKWorkspace, ctx: KernelContext, g, x, shared_fc1, shar
     bf16 = dict(dtype=torch.bfloat16, device=g.device)
     hs = ctx.shared_h if ctx.shared_h is not None else recompute_gate_up(x, shared_fc1, None)
     dhs = torch.empty((T, 2 * Is), **bf16)
-    ops.expert_dgrad(g, shared_fc2.view(1, H, Is), offs, count, dhs, h=hs)
+    shared_act = torch.empty((T, Is), **bf16)
+    ops.expert_dgrad(g, shared_fc2.view(1, H, Is), offs, count, dhs, h=hs, act=shared_act)
     del hs
     shared_dx = torch.empty((T, H), **bf16)
     ops.expert_dgrad(dhs, shared_fc1.view(1, 2 * Is, H), offs, count, shared_dx)
     dsfc2 = torch.empty((1, H, Is), **bf16)
-    ops.expert_wgrad(g, offs, ctx.shared_act, offs, count, dsfc2)
+    ops.expert_wgrad(g, offs, shared_act, offs, count, dsfc2)
+    del shared_act
     dsfc1 = torch.empty((1, 2 * Is, H), **bf16)
     ops.expert_wgrad(dhs, offs, x, offs, count, dsfc1)
     return dsfc1[0], dsfc2[0], shared_dx

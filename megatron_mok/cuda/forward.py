@@ -30,34 +30,35 @@ from .context import KernelContext
 
 def _dispatch_and_experts(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, fc1, fc2, *, keep_gate_up: bool,
                           gemm_ctas: int = 0, comm_ctas: int = 0, fp8_weights=None, during_dispatch=None,
-                          push=None) -> KernelContext:
+                          push=None, down: bool = True):
     """Publish, dispatch and the routed GEMMs (no shared expert). Peers may still read this rank's
     published rows afterwards: the caller ends with a barrier before any rank rewrites them.
     during_dispatch(event): called once the dispatch is launched, with an event from just before it
     (side-stream work that waits on it runs beside the dispatch). push (fp8: the peers' combine
-    buffers): the down GEMM also pushes the rows into their source slots."""
+    buffers): the down GEMM also pushes the rows into their source slots. down False: the gate/up
+    GEMM only (a recompute for the backward). Returns (h or None, y_routed [cap, H] or None)."""
     cap, I, H = sched.capacity, fc1.shape[1] // 2, ws.hidden
     bf16 = dict(dtype=torch.bfloat16, device=ws.device)
     quant = cfg.precision == "fp8"
     if quant:
-        published = dispatch.publish_e4m3(cfg, ws, x)
+        published = dispatch.publish_e4m3(cfg, ws, x, sched)
         started = mark(during_dispatch)
         x_e4m3, x_scale = dispatch.dispatch_e4m3(ws, sched, published, comm_ctas)
     else:
-        x_ptrs = dispatch.publish_bf16(cfg, ws, x)
+        x_ptrs = dispatch.publish_bf16(cfg, ws, x, sched)
         started = mark(during_dispatch)
         x_routed = dispatch.dispatch_bf16(ws, sched, x_ptrs, comm_ctas)
     if during_dispatch is not None:
         during_dispatch(started)
     act = torch.empty((cap, I), **bf16)
     h = torch.empty((cap, 2 * I), **bf16) if keep_gate_up or quant else None
-    y_routed = torch.empty((cap, H), **bf16)
+    y_routed = torch.empty((cap, H), **bf16) if down else None
     if quant:
         w8 = fp8_weights or experts.quantize_expert_weights(fc1, fc2)
         experts.routed_fp8(sched, x_e4m3, x_scale, w8, act, h, y_routed, gemm_ctas, push)
-        return KernelContext(None, act, y_routed, None, h, None, x_e4m3, x_scale)
-    experts.routed_bf16(sched, x_routed, fc1, fc2, act, h, y_routed, gemm_ctas)
-    return KernelContext(x_routed, act, y_routed, None, h)
+    else:
+        experts.routed_bf16(sched, x_routed, fc1, fc2, act, h, y_routed, gemm_ctas)
+    return h, y_routed
 
 
 def _forward_staged(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, out, gemm_ctas, comm_ctas,
@@ -77,19 +78,20 @@ def _forward_staged(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, 
             shared_w8.extend(experts.shared_e4m3(cfg, ws, shared_fc1, shared_fc2, fp8_weights))
             shared.extend(experts.shared_gate_up(ws, x, shared_fc1, keep, gemm_ctas, *shared_w8[:2]))
 
-    ctx = _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, keep_gate_up=cfg.save_gate_up, gemm_ctas=gemm_ctas,
-                                comm_ctas=comm_ctas, fp8_weights=fp8_weights,
-                                during_dispatch=shared_gate_up if side is not None else None, push=push)
+    h, y_routed = _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, keep_gate_up=cfg.save_gate_up,
+                                        gemm_ctas=gemm_ctas, comm_ctas=comm_ctas, fp8_weights=fp8_weights,
+                                        during_dispatch=shared_gate_up if side is not None else None, push=push)
+    ctx = KernelContext(h)
     routed_done = mark(side if push is None else None)
     if push is None:
-        combine.push_rows(ws, sched, ctx.y_routed, comb_ptrs, comm_ctas)
+        combine.push_rows(ws, sched, y_routed, comb_ptrs, comm_ctas)
     shared_y = None
     if side is not None:
         if routed_done is not None:
             side.wait_event(routed_done)
         with torch.cuda.stream(side):
             shared_y = experts.shared_down(shared[0], shared_fc2, gemm_ctas, shared_w8[0], shared_w8[2])
-        ctx.shared_act, ctx.shared_h = shared
+        ctx.shared_h = shared[1]
     combine.barrier(cfg, ws)
     if side is not None:
         join(main, side, (*shared, shared_y))
@@ -109,7 +111,7 @@ def _forward_persistent(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_f
     if x.data_ptr() % 16:
         x = x.clone()
     xs, x_ptrs = c.buffer("x", (T, H), torch.bfloat16)
-    ops.publish_barrier(x, xs, c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s)
+    ops.publish_barrier(x, xs, c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s, schedule=sched)
     x_routed = torch.empty((cap, H), **bf16)
     act = torch.empty((cap, I), **bf16)
     h = torch.empty((cap, 2 * I), **bf16) if cfg.save_gate_up else None
@@ -132,7 +134,7 @@ def _forward_persistent(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_f
     if out is None:
         out = torch.empty((T, H), **bf16)
     combine.epilogue(cfg, ws, comb, probs, shared_y, out, opened=True)
-    return out, KernelContext(x_routed, act, y_routed, shared_act, h, shared_h)
+    return out, KernelContext(h, shared_h)
 
 
 def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1, fc2, shared_fc1=None,
@@ -156,12 +158,13 @@ def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1,
 
 def recompute_forward_context(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, fc1, fc2, shared_fc1=None,
                               *, fp8_weights=None) -> KernelContext:
-    """Dispatch and expert GEMMs again (activation checkpointing); no combine. The context keeps
-    the gate/up pre-activations: it is made for the backward that follows."""
-    ctx = _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, keep_gate_up=True, fp8_weights=fp8_weights)
+    """Dispatch and the gate/up GEMMs again (activation checkpointing): the context the forward
+    would have kept (with the gate/up pre-activations: it is made for the backward that follows)."""
+    h, _ = _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, keep_gate_up=True, fp8_weights=fp8_weights, down=False)
+    ctx = KernelContext(h)
     if shared_fc1 is not None:
         seg, w1, _ = experts.shared_e4m3(cfg, ws, shared_fc1, fp8_weights=fp8_weights)
-        ctx.shared_act, ctx.shared_h = experts.shared_gate_up(ws, x, shared_fc1, True, 0, seg, w1)
+        ctx.shared_h = experts.shared_gate_up(ws, x, shared_fc1, True, 0, seg, w1)[1]
     # Peers may still read this rank's published rows: no rank rewrites them before all are done.
     combine.barrier(cfg, ws)
     return ctx

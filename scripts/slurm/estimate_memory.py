@@ -24,10 +24,11 @@ routed rows, balanced routing):
   MoE: router fp32 logits/scores/probs + map T*E*13 B; shared expert T*3*Is (0 with
   'shared_experts'); routed, Megatron dispatchers (alltoall, flex/hybridep): dispatched rows R*h,
   fc1 output R*2I, SwiGLU output R*I (0 with 'moe_act'); routed, --moe-backend mok: its forward
-  context x_routed [cap, h], act [cap, I], y_routed [cap, h] and the kept gate/up outputs
-  h [cap, 2I] (not with --mok-recompute-gate-up), with cap = the routed-row capacity
-  (--mok-capacity-factor x EP*T*min(topk, local experts), rounded up to 128-row segments), and
-  its fused shared expert T*Is (+ T*2Is kept gate/up);
+  context, the gate/up outputs h [cap, 2I] only (none with --mok-recompute-gate-up; the rows are
+  dispatched again, SwiGLU and the router-weight gradient come from the down dgrad's epilogue;
+  docs/DESIGN.md), with cap = the routed-row capacity (--mok-capacity-factor x
+  EP*T*min(topk, local experts) + 127 rows a local expert, rounded up to 128), and its fused
+  shared expert's gate/up outputs T*2Is;
   everything but the layer input is 0 with 'moe' recompute
   mok workspace (once per rank): symmetric x [T, h] and combine [T*topk, h] buffers
   output layer: fp32 softmax of the cross entropy T*V*4 B per loss head (main + MTP)
@@ -235,11 +236,11 @@ class Model:
         mok = self.backend == "mok"
         fused_shared = mok and self.tp == 1  # the mok layer runs the shared expert itself at TP 1
         if self.Is and fused_shared:
-            b += T * (self.Is + (2 * self.Is if self.save_gate_up else 0)) * 2
+            b += T * (2 * self.Is if self.save_gate_up else 0) * 2
         elif self.Is and "shared_experts" not in rc:
             b += T * 3 * self.Is / self.tp * 2
         if mok:
-            b += self.mok_capacity() * (2 * h + self.I + (2 * self.I if self.save_gate_up else 0)) * 2
+            b += self.mok_capacity() * (2 * self.I if self.save_gate_up else 0) * 2
             return b
         R = T * self.k
         b += R * h * 2 + R * 2 * self.I / self.etp * 2

@@ -92,9 +92,8 @@ def poison_all(ws) -> None:
 def poison_ctx_tail(ctx, sched) -> None:
     """NaN-fill the rows of the forward context past the last segment (the backward must not read them)."""
     total = int(sched.expert_offsets[-1])
-    for t in (ctx.x_routed, ctx.act, ctx.y_routed, ctx.h):
-        if t is not None:
-            t[total:] = float("nan")
+    if ctx.h is not None:
+        ctx.h[total:] = float("nan")
 
 
 def forward_backward(cfg, ws, top, w, g):

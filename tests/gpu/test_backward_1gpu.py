@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_mok import MoKConfig, create_workspace
+from megatron_mok.cuda.context import saved_bytes
 from megatron_mok.schedule import build_schedule_reference
 
 from ._bwd import (assert_bitwise, backward_case, check_backward_bitwise_repeats, check_backward_graph_equals_eager,
@@ -75,33 +76,53 @@ def test_expert_dgrad_matches_matmul(K, M):
 
 @pytest.mark.parametrize("K,M", [(256, 128), (520, 72)])
 def test_expert_dgrad_fuses_swiglu_backward(K, M):
-    """With h the epilogue writes dh = [d_gate | d_up] of da = dy @ w[e]: within 1e-2 of the fp64
-    autograd reference, padding rows +0, rows past the last segment untouched, bits independent of
-    the CTA count."""
+    """With h the epilogue takes da = dy @ w[e] (dy unweighted) and writes, with the rows' router
+    weights w: dh = [d_gate | d_up] of w * da, act = bf16(w * silu(gate) * up) and the dot pieces
+    (per 64 columns sum da * silu(gate) * up; their row sum is <dy, act_unweighted @ w[e]^T>): each
+    within 1e-2 of the fp64 autograd reference, padding rows +0 (dh and act), rows past the last
+    segment untouched, bits independent of the CTA count; without row_w, w = 1."""
     from megatron_mok import ops
 
     dy, w, seg, cnt, offs, gen = _dgrad_case(K, M, DGRAD_COUNTS, K + M)
     cap = dy.shape[0]
     h = (3 * torch.randn(cap, 2 * M, generator=gen)).bfloat16().to(DEV)  # the forward's rows
+    row_w = torch.rand(cap, generator=gen).to(DEV) + 0.25
     first = None
     for ctas in (0, 1, 5):
         dh = torch.full((cap, 2 * M), float("nan"), dtype=torch.bfloat16, device=DEV)
-        ops.expert_dgrad(dy, w, seg, cnt, dh, h=h, num_ctas=ctas)
+        act = torch.full((cap, M), float("nan"), dtype=torch.bfloat16, device=DEV)
+        dot = torch.full((cap, -(-M // 64)), float("nan"), device=DEV)
+        ops.expert_dgrad(dy, w, seg, cnt, dh, h=h, num_ctas=ctas, row_w=row_w, act=act, dot=dot)
         if first is None:
-            first = dh
+            first = (dh, act, dot)
         else:
-            assert torch.equal(bits(dh), bits(first)), f"bits depend on the CTA count ({ctas})"
-    dh, end = first, offs[-1]
-    assert torch.isnan(dh[end:].float()).all(), "rows past the last segment were written"
+            for a, b in zip((dh, act, dot), first):
+                assert torch.equal(bits(a), bits(b)), f"bits depend on the CTA count ({ctas})"
+    dh, act, dot = first
+    end = offs[-1]
+    assert torch.isnan(dh[end:].float()).all() and torch.isnan(act[end:].float()).all(), \
+        "rows past the last segment were written"
     real = torch.zeros(end, dtype=torch.bool, device=DEV)
     for e, n in enumerate(DGRAD_COUNTS):
         real[offs[e]:offs[e] + n] = True
+    wd = row_w[:end].double()[:, None]
     hf = h[:end].double().requires_grad_(True)
     gate, up = hf.chunk(2, dim=1)
     da_ref = torch.cat([dy[offs[e]:offs[e + 1]].double() @ w[e].double() for e in range(len(DGRAD_COUNTS))])
-    (torch.nn.functional.silu(gate) * up).backward(da_ref)
+    act_ref = torch.nn.functional.silu(gate) * up
+    act_ref.backward(wd * da_ref)
     assert rel_err(dh[:end][real], hf.grad[real]) < 1e-2
-    assert bool((dh[:end][~real] == 0).all()), "padding rows are not +0"
+    assert rel_err(act[:end][real], (wd * act_ref.detach())[real]) < 1e-2
+    dot_ref = (da_ref * act_ref.detach()).sum(1)
+    assert rel_err(dot[:end][real].double().sum(1), dot_ref[real]) < 1e-2
+    assert bool((dh[:end][~real] == 0).all()) and bool((act[:end][~real] == 0).all()), "padding rows are not +0"
+    # without the router weights: w = 1, the same dh as weights of one
+    dh1 = torch.full((cap, 2 * M), float("nan"), dtype=torch.bfloat16, device=DEV)
+    ops.expert_dgrad(dy, w, seg, cnt, dh1, h=h)
+    ops.expert_dgrad(dy, w, seg, cnt, dh, h=h, row_w=torch.ones_like(row_w))
+    assert torch.equal(bits(dh1), bits(dh))
+    with pytest.raises(RuntimeError, match="go with h"):
+        ops.expert_dgrad(dy, w, seg, cnt, torch.empty((cap, M), dtype=torch.bfloat16, device=DEV), row_w=row_w)
 
 
 def test_expert_dgrad_rejects_bad_shapes():
@@ -213,7 +234,8 @@ def test_backward_matches_reference(kind, shape):
 @pytest.mark.parametrize("kind", ["skewed", "one_expert"])
 def test_forward_keeps_gate_up_preactivations(kind):
     """ctx.h / ctx.shared_h hold x @ fc1^T of every row below the last segment end (padding rows: +0),
-    with the same bits from the persistent megakernel and the staged GEMMs."""
+    with the same bits from the persistent megakernel and the staged GEMMs, and the context holds
+    nothing else (``saved_bytes``)."""
     shape = (517, 512, 320, 256, 32, 8)
     cfg, ws, top, w, _ = _case(shape, kind, 31)
     x, _probs, fc1, _fc2, sfc1, _sfc2 = w
@@ -222,9 +244,15 @@ def test_forward_keeps_gate_up_preactivations(kind):
     kept = {}
     for kernel in ("persistent", "staged"):
         _, ctx = kp.forward(cfg.replace(forward_kernel=kernel), ws, sched, *w)
-        kept[kernel] = (ctx.h.clone(), ctx.shared_h.clone(), ctx.x_routed.clone())
+        kept[kernel] = (ctx.h.clone(), ctx.shared_h.clone())
+        # the context holds the design table's bytes (docs/DESIGN.md 7.1) and nothing else
+        assert ctx.nbytes() == saved_bytes(sched.capacity, ws.num_tokens, fc1.shape[1] // 2, sfc1.shape[0] // 2,
+                                           keep_gate_up=True), kernel
     torch.cuda.synchronize()
-    h, sh, xr = kept["persistent"]
+    h, sh = kept["persistent"]
+    # the routed rows (EP=1: every row's source is this rank's token row_src_slot // k)
+    slot = sched.row_src_slot.long()
+    xr = torch.where((slot >= 0)[:, None], x[slot.clamp(min=0) // ws.topk], torch.zeros_like(x[:1]))
     assert torch.equal(h[: int(sched.expert_offsets[-1])].view(torch.int16),
                        kept["staged"][0][: int(sched.expert_offsets[-1])].view(torch.int16))
     assert torch.equal(sh.view(torch.int16), kept["staged"][1].view(torch.int16))

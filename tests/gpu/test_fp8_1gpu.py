@@ -284,6 +284,21 @@ def test_expert_gemm_fp8_dgrads_match_dequantized_products(H, I, counts):
     dh16 = torch.empty((cap, 2 * I), dtype=torch.bfloat16, device=DEV)
     ops.expert_dgrad(dy.to(DEV), fc2.to(DEV), seg, cnt, dh16, h=h.to(DEV))
     dh16 = dh16.cpu()
+    # the epilogue's other outputs with router weights: act (from h and w only: the bf16 dgrad's
+    # bits) and the dot pieces (against the dequantized operands' products)
+    row_w = (torch.rand(cap, generator=gen) + 0.25).to(DEV)
+    outs = {}
+    for name, run in (("fp8", lambda o, a, d: ops.expert_gemm_fp8(dyq, dys, w8.fc2_t.q, w8.fc2_t.scale, seg, cnt, o,
+                                                                   False, h=h.to(DEV), row_w=row_w, act=a, dot=d)),
+                      ("bf16", lambda o, a, d: ops.expert_dgrad(dy.to(DEV), fc2.to(DEV), seg, cnt, o, h=h.to(DEV),
+                                                                row_w=row_w, act=a, dot=d))):
+        o = torch.empty((cap, 2 * I), dtype=torch.bfloat16, device=DEV)
+        a = torch.full((cap, I), float("nan"), dtype=torch.bfloat16, device=DEV)
+        d = torch.full((cap, -(-I // 64)), float("nan"), device=DEV)
+        run(o, a, d)
+        outs[name] = (a, d)
+    end = offs[-1]
+    assert torch.equal(bits(outs["fp8"][0][:end]), bits(outs["bf16"][0][:end])), "act differs between the dgrads"
     from megatron_mok.reference import _swiglu_backward
 
     dy_deq = fp8.dequantize_rows(*fp8.quantize_rows(dy)).double()
@@ -298,6 +313,9 @@ def test_expert_gemm_fp8_dgrads_match_dequantized_products(H, I, counts):
             ref_dh16 = _swiglu_backward(hd, (dy[r].double() @ fc2[e].double()).bfloat16().double())
             err = rel_err(dh[r], ref_dh)
             assert err < 1e-2 and err <= 1.5 * rel_err(dh16[r], ref_dh16) + 1e-4, (e, err)
+            gate, up = hd.chunk(2, dim=1)
+            dot_ref = ((dy_deq[r] @ w2[e]) * torch.nn.functional.silu(gate) * up).sum(1)
+            assert rel_err(outs["fp8"][1][r.start:r.stop].double().sum(1).cpu(), dot_ref) < 1e-2, e
             ref_dx = fp8.unpair_columns(dh_rows[r]).double() @ w1[e]
             assert rel_err(dx[r], ref_dx) < 1e-2, (e, rel_err(dx[r], ref_dx))
             assert rel_err(dh[r], ref_dh16) < 8e-2  # e4m3 against the unquantized operands
@@ -319,8 +337,10 @@ def test_fp8_forward_matches_fp8_reference(kind, shape):
     """The layer with MoKConfig(precision="fp8") (the staged launches) against the reference that
     quantizes the same operands (fp32 arithmetic), on NaN-poisoned outputs and buffers; repeats, CTA
     counts, minibatch sizes and comm SMs give the same bits (output and context); the quantization
-    error against the bf16 layer is reported by its bound."""
-    from megatron_mok.cuda.context import routed_rows
+    error against the bf16 layer is reported by its bound. The backward's second dispatch
+    (``regather``) gives the forward's e4m3 rows in the layout the e4m3 GEMMs read."""
+    from megatron_mok.cuda import dispatch
+    from megatron_mok.cuda.context import saved_bytes
 
     T, H = shape[:2]
     cfg = MoKConfig(precision="fp8")
@@ -336,7 +356,6 @@ def test_fp8_forward_matches_fp8_reference(kind, shape):
     real = torch.cat([torch.arange(o, o + n) for o, n in zip(ref_sched.expert_offsets.tolist(),
                                                               ref_sched.expert_counts.tolist())]).to(DEV)
     I = fc1.shape[1] // 2
-    ref_act = (torch.nn.functional.silu(rctx.fc1_out[:, :I]) * rctx.fc1_out[:, I:])[real]
     w8 = functional.quantize_expert_weights(fc1, fc2)
     base = base_ctx = None
     # (knobs, config fields): CTA counts of the GEMMs and of the dispatch/combine (1 CTA asks for one
@@ -350,26 +369,27 @@ def test_fp8_forward_matches_fp8_reference(kind, shape):
                                  fc2, sfc1, sfc2, out=out, fp8_weights=w8 if rep % 2 == 0 else None, **knobs)
         torch.cuda.synchronize()
         assert torch.isfinite(out.float()).all(), f"rep {rep}: output elements not written (or NaN)"
+        rows_q, rows_s = dispatch.regather(cfg, ws, sched, x)
         # the dispatched rows' scales in the layout the e4m3 GEMMs read: [H / 128, ld], ld = cap rounded to 4
-        assert ctx.x_scale.shape == (H // 128, -(-sched.capacity // 4) * 4) and ctx.x_scale.is_contiguous()
+        assert rows_s.shape == (H // 128, -(-sched.capacity // 4) * 4) and rows_s.is_contiguous()
+        rows_deq = dispatch.rows_bf16((rows_q, rows_s), sched)[real]
+        assert ctx.nbytes() == saved_bytes(sched.capacity, T, I, None if sfc1 is None else sfc1.shape[0] // 2,
+                                           keep_gate_up=True)
         if base is None:
             base, base_ctx = out.clone(), ctx
-            # the stages first: the routed rows' pre-activations, SwiGLU output, expert outputs
-            stages = dict(h=rel_err(ctx.h[real], rctx.fc1_out[real]), act=rel_err(ctx.act[real], ref_act),
-                          y=rel_err(ctx.y_routed[real], rctx.y_routed[real]), out=rel_err(out, ref))
+            # the stages first: the routed rows' pre-activations, the rows, the output
+            stages = dict(h=rel_err(ctx.h[real], rctx.fc1_out[real]), rows=rel_err(rows_deq, rctx.x_routed[real]),
+                          out=rel_err(out, ref))
             if sfc1 is not None:  # the shared expert's e4m3 gate/up (fp8_shared, the default)
                 stages["shared_h"] = rel_err(ctx.shared_h, rctx.shared_fc1_out)
             assert max(stages.values()) <= 1e-2, stages
             # e4m3's 3 mantissa bits, through two quantized GEMMs (no shared expert: nothing dilutes it)
             assert rel_err(out, ref_bf16) < 8e-2, rel_err(out, ref_bf16)
-            base_rows = routed_rows(ctx, sched)[real].clone()
+            base_rows = rows_deq.clone()
         else:
             assert torch.equal(bits(out), bits(base)), f"bits differ at rep {rep} ({knobs}, {fields})"
-            for name in ("act", "h", "y_routed"):
-                a, b = getattr(ctx, name)[real], getattr(base_ctx, name)[real]
-                assert torch.equal(bits(a), bits(b)), f"ctx.{name} differs at rep {rep}"
-            assert torch.equal(bits(routed_rows(ctx, sched)[real]), bits(base_rows)), \
-                f"the dispatched e4m3 rows differ at rep {rep}"
+            assert torch.equal(bits(ctx.h[real]), bits(base_ctx.h[real])), f"ctx.h differs at rep {rep}"
+            assert torch.equal(bits(rows_deq), bits(base_rows)), f"the dispatched e4m3 rows differ at rep {rep}"
         poison_internal(ws)
     if sfc1 is not None:
         # fp8_shared=False: the shared expert in bf16 (on the staged launches' side stream), against
@@ -517,10 +537,11 @@ def test_fp8_forward_cuda_graph_and_backward(fp8_dgrad, fp8_wgrad):
         assert torch.equal(bits(out_g), bits(eager)), "graph replay differs from eager"
     sched = kp.build_schedule(cfg, ws, top)
     out, ctx = kp.forward(cfg, ws, sched, *inputs, fp8_weights=w8)
-    assert ctx.x_routed is None and ctx.x_e4m3 is not None  # e4m3 rows kept, dequantized by the backward
+    kept = ctx.nbytes()  # the gate/up pre-activations only: the backward dispatches the rows again
+    assert ctx.h is not None and kept == ctx.h.nbytes + (0 if ctx.shared_h is None else ctx.shared_h.nbytes)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).bfloat16().to(DEV)
     got = grads_list(functional.backward(cfg, ws, sched, ctx, grad, *inputs, fp8_weights=w8))
-    assert ctx.x_routed is None, "the backward grew the context (the dequantized rows are its own)"
+    assert ctx.nbytes() == kept, "the backward grew the context (the rows it dispatches again are its own)"
     again = grads_list(functional.backward(cfg, ws, sched, ctx, grad, *inputs))  # weights quantized inside
     assert_bitwise(got, again, "repeat")
 
@@ -560,7 +581,7 @@ def test_fp8_pull_quantizes_dy_like_the_row_quantizer(monkeypatch):
     def spy(*args, **kwargs):
         pull(*args, **kwargs)
         if kwargs.get("q") is not None:
-            seen.update(dy=args[4].clone(), q=kwargs["q"].clone(), scale=kwargs["q_scale"].clone())
+            seen.update(dy=args[3].clone(), q=kwargs["q"].clone(), scale=kwargs["q_scale"].clone())
 
     monkeypatch.setattr(ops, "bwd_pull", spy)
     grad = torch.randn(shape[:2], generator=torch.Generator().manual_seed(2)).bfloat16().to(DEV)

@@ -1,6 +1,11 @@
 """EP=2 test of the per-call header check (issue #33, megatron_mok/header.py): two ranks that call the
 kernel path with disagreeing per-call values both raise the same named ``MoKInputError`` from
-``ws.check_errors``, with no host collective in the call; matching calls raise nothing."""
+``ws.check_errors``, with no host collective in the call; matching calls raise nothing.
+
+The verdict: rank 1's bad top_experts dtype (schedule), T = 0 or x dtype (forward) or grad_out dtype (backward)
+raises its own ``MoKInputError`` at once, and rank 0, which ran the whole layer step with its good
+inputs, raises ``MoKInputError`` naming rank 1 and the reason from ``ws.check_errors`` within seconds
+(``peer_timeout_s`` is 60 s); then both ranks run the step again and get the bits of the step before."""
 
 from __future__ import annotations
 
@@ -68,7 +73,85 @@ def _suite(rank: int, world: int) -> list[str]:
 
     check("schedule_precision_mismatch_raises_on_every_rank", schedule_precision)
     check("backward_header_mismatch_raises_on_every_rank", backward_forward_kernel)
+    for kernel in ("persistent", "staged"):
+        for site in ("build_schedule", "forward", "forward_dtype", "backward"):
+            check(f"rank1_rejects_{site}_{kernel}_every_rank_raises_fast",
+                  lambda site=site, kernel=kernel: _rejection(rank, world, site, kernel))
     return lines
+
+
+FAST_S = 10.0  # far inside peer_timeout_s: the verdict, not a timeout
+EXPECTED = {  # site -> (rank 1's own error, what rank 0 raises)
+    "build_schedule": ("top_experts must be int32 or int64, got torch.float32",
+                       "mok build_schedule: rank 1 rejected its input: top_experts has dtype float32"),
+    "forward": ("x must have shape [256, 256], got [0, 256]",
+                "mok forward: rank 1 rejected its input: x has the wrong shape (size 0 in dim 0)"),
+    "forward_dtype": ("x has dtype float16; the expert weights (fc1, fc2) have bfloat16",
+                      "mok forward: rank 1 rejected its input: x has dtype float16"),
+    "backward": ("grad_out has dtype float32; expected bfloat16",
+                 "mok backward: rank 1 rejected its input: grad_out has dtype float32"),
+}
+
+
+def _rejection(rank: int, world: int, site: str, kernel: str) -> str:
+    """One layer step (schedule, forward, backward) through the functional API on both ranks, with
+    rank 1's input bad at ``site`` (forward: T = 0; forward_dtype: x in fp16); every rank raises,
+    fast; then the step again on both."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_mok import MoKConfig, MoKInputError, functional
+    from megatron_mok.workspace import ErrorCode
+
+    from ._util import bits, make_case
+
+    dev = torch.device("cuda", rank)
+    cfg = MoKConfig(forward_kernel=kernel, peer_timeout_s=60.0)
+    cfg, ws, top, w, gen = make_case((256, 256, 128, 128, 8, 2), "random", 30 + rank, dev, cfg=cfg, world=world)
+    x, probs, fc1, fc2, sfc1, sfc2 = w
+    g = torch.randn(256, 256, generator=gen).bfloat16().to(dev)
+
+    def step(bad: str | None):
+        sched = functional.build_schedule(cfg, ws, top.float() if bad == "build_schedule" else top)
+        xs = x[:0] if bad == "forward" else x.half() if bad == "forward_dtype" else x
+        out, ctx = functional.forward(cfg, ws, sched, xs, probs, fc1, fc2, sfc1, sfc2)
+        grads = functional.backward(cfg, ws, sched, ctx, g.float() if bad == "backward" else g, *w)
+        return [out, grads.dx, grads.dprobs, grads.dfc1, grads.dfc2, grads.dshared_fc1, grads.dshared_fc2]
+
+    base = step(None)  # also creates every symmetric buffer (collectively) before the bad step
+    torch.cuda.synchronize()
+    ws.check_errors(blocking=True)
+    dist.barrier()
+
+    own, theirs = EXPECTED[site]
+    t0 = time.monotonic()
+    raised = None
+    try:
+        step(site if rank == 1 else None)
+        torch.cuda.synchronize()
+        ws.check_errors(blocking=True)
+    except MoKInputError as exc:
+        raised = str(exc)
+    elapsed = time.monotonic() - t0
+    assert raised is not None, f"rank {rank} raised nothing"
+    if rank == 1:
+        assert own in raised, raised
+    else:
+        assert raised.startswith(theirs), raised
+        assert int(ws.errors.cpu()[ErrorCode.PEER_TIMEOUT]) == 0
+    assert elapsed < FAST_S, f"rank {rank} took {elapsed:.1f} s"
+    torch.cuda.synchronize()
+    assert [int(v) for v in ws.errors.cpu().tolist()] == [0] * ErrorCode.NUM_CODES
+    dist.barrier()  # both ranks have raised before the next step
+
+    again = step(None)  # the epochs are still in step: the same bits as before
+    torch.cuda.synchronize()
+    ws.check_errors(blocking=True)
+    for a, b in zip(base, again):
+        assert (a is None and b is None) or torch.equal(bits(a), bits(b))
+    return f"{elapsed:.2f}s"
 
 
 def test_header_check_ep2(tmp_path):

@@ -7,6 +7,9 @@
 //                     + (tokens before it in its chunk that also chose e),
 // the first from a count pass + scan, the second from a per-chunk bitmask and popcounts.
 // One launch (schedule_kernel): gather, cross-rank barrier, count, scan, fill.
+// Stopped (errors[kErrHeaderMismatch] set: a peer rejected its input or a header differed, at this
+// barrier or an earlier one not yet raised): no routing goes to the peers, and the schedule is empty
+// (no rows, zero counts and offsets, top_all -1), so no kernel that uses it touches a peer's rows.
 #include <algorithm>
 
 #include "comm/barrier.cuh"
@@ -44,13 +47,13 @@ struct SchedArgs {
 // every rank's routing buffer, zero histogram, -1 row arrays. Ids are saturated to
 // [-1, num_experts] before narrowing (as the reference does), so an invalid id stays invalid
 // (2**32 never wraps to 0) and the gathered routing has the reference's bits.
-__device__ void gather_task(const SchedArgs& a, int task) {
+__device__ void gather_task(const SchedArgs& a, int task, bool stop) {
   const int n = a.T * a.k;
   const int first = task * blockDim.x + threadIdx.x, stride = a.gather_tasks * blockDim.x;
   // The double-buffer flip happens after every gather task is done: all of them see the same half.
   const int half = a.state[kStateGatherCount] & 1;
   const int64_t off = (static_cast<int64_t>(half) * a.ep + a.rank) * n;
-  for (int i = first; i < n; i += stride) {
+  for (int i = stop ? n : first; i < n; i += stride) {
     const long long w = a.is_int64 ? static_cast<const long long*>(a.top_experts)[i]
                                    : static_cast<long long>(static_cast<const int*>(a.top_experts)[i]);
     const int v = static_cast<int>(w < -1 ? -1 : (w > a.num_experts ? a.num_experts : w));
@@ -67,7 +70,14 @@ __device__ void gather_task(const SchedArgs& a, int task) {
 // padded offsets, overflow check of every rank (so all ranks raise the same error). s_off: nle + 1
 // ints of shared memory. Other blocks' writes are read with .cg loads (never through L1).
 __device__ void scan_block(int* chunk_counts, const int* expert_rows_all, int* errors, int* expert_counts,
-                           int* expert_offsets, int ep, int nle, int nchunks, int capacity, int* s_off) {
+                           int* expert_offsets, int ep, int nle, int nchunks, int capacity, int* s_off, bool stop) {
+  if (stop) {  // the empty schedule
+    for (int e = threadIdx.x; e <= nle; e += blockDim.x) {
+      if (e < nle) expert_counts[e] = 0;
+      expert_offsets[e] = 0;
+    }
+    return;
+  }
   const int J = ep * nchunks;
   for (int e = threadIdx.x; e < nle; e += blockDim.x) {
     int* row = chunk_counts + static_cast<int64_t>(e) * J;
@@ -109,7 +119,14 @@ __device__ void scan_block(int* chunk_counts, const int* expert_rows_all, int* e
 // counts the rows of every local expert in the chunk, and adds every expert's rows to the global
 // histogram (integer atomics: the result does not depend on their order). Data written in this
 // launch by other blocks or ranks is read with .cg loads (never through L1).
-__device__ void count_task(const SchedArgs& a, int j, int* s_hist /* [num_experts] */) {
+__device__ void count_task(const SchedArgs& a, int j, int* s_hist /* [num_experts] */, bool stop) {
+  if (stop) {  // nothing is read; top_all holds -1 (no valid routing)
+    const int t = (j % a.nchunks) * kChunk + threadIdx.x;
+    int* dst = a.top_all + (static_cast<int64_t>(j / a.nchunks) * a.T + t) * a.k;
+    if (t < a.T)
+      for (int s = 0; s < a.k; ++s) dst[s] = -1;
+    return;
+  }
   for (int g = threadIdx.x; g < a.num_experts; g += blockDim.x) s_hist[g] = 0;
   __syncthreads();
   const int c = j % a.nchunks, r = j / a.nchunks;
@@ -143,7 +160,8 @@ __device__ void count_task(const SchedArgs& a, int j, int* s_hist /* [num_expert
 // Fill task (after the scan), item j = (source rank r, chunk c): rank of each pair among the
 // chunk's tokens that chose the same expert, from a bitmask of those tokens; writes the pair into
 // its row.
-__device__ void fill_task(const SchedArgs& a, int j, uint32_t* s_mask /* [nle][kChunk / 32] */) {
+__device__ void fill_task(const SchedArgs& a, int j, uint32_t* s_mask /* [nle][kChunk / 32] */, bool stop) {
+  if (stop) return;  // the rows stay -1 (gather_task)
   constexpr int W = kChunk / 32;
   for (int i = threadIdx.x; i < a.nle * W; i += blockDim.x) s_mask[i] = 0;
   __syncthreads();
@@ -218,28 +236,35 @@ __device__ bool finished_phase(int* done, int phase_end, bool sys) {
 // (next launch, CUDA-graph replay).
 __global__ void __launch_bounds__(kChunk) schedule_kernel(const SchedArgs a) {
   extern __shared__ int s_buf[];  // count: histogram; scan: padded offsets; fill: bitmasks
-  __shared__ int s_task, s_ok;
+  __shared__ int s_task, s_ok, s_stop;
   int* const st = a.state;
   const int J = a.ep * a.nchunks;
   const int end0 = a.gather_tasks, end1 = end0 + J, total = end1 + J;
   const Watchdog w{st + kStateSchedAbort, a.errors, a.watchdog_ns, 1 + a.rank};
   for (;;) {
-    if (threadIdx.x == 0) s_task = atomicAdd(st + kStateSchedTicket, 1);
+    if (threadIdx.x == 0) {
+      s_task = atomicAdd(st + kStateSchedTicket, 1);
+      s_stop = ld_volatile(a.errors + kErrHeaderMismatch) != 0;  // gather: set before this launch
+    }
     __syncthreads();
     const int task = s_task;
     if (task >= total) break;
     const int phase = task < end0 ? 0 : (task < end1 ? 1 : 2);
     if (phase > 0) {
-      if (threadIdx.x == 0) s_ok = wait_released(st + kStateSchedReleased, phase, w);
+      if (threadIdx.x == 0) {
+        s_ok = wait_released(st + kStateSchedReleased, phase, w);
+        s_stop = ld_volatile(a.errors + kErrHeaderMismatch) != 0;  // count, fill: also by the barrier
+      }
       __syncthreads();
       if (!s_ok) break;
     }
+    const bool stop = s_stop != 0;
     if (phase == 0) {
-      gather_task(a, task);
+      gather_task(a, task, stop);
     } else if (phase == 1) {
-      count_task(a, task - end0, s_buf);
+      count_task(a, task - end0, s_buf, stop);
     } else {
-      fill_task(a, task - end1, reinterpret_cast<uint32_t*>(s_buf));
+      fill_task(a, task - end1, reinterpret_cast<uint32_t*>(s_buf), stop);
       __syncthreads();  // s_task and s_buf are reused by the next task
       continue;
     }
@@ -249,7 +274,7 @@ __global__ void __launch_bounds__(kChunk) schedule_kernel(const SchedArgs a) {
                              /*region: the gather's half*/ 0, /*site=*/0);
       } else {
         scan_block(a.chunk_counts, a.expert_rows_all, a.errors, a.expert_counts, a.expert_offsets, a.ep, a.nle,
-                   a.nchunks, a.capacity, s_buf);
+                   a.nchunks, a.capacity, s_buf, stop);
       }
       __threadfence();
       __syncthreads();

@@ -602,13 +602,28 @@ __device__ __forceinline__ void store_task(const Params& p, const Ring& sm, cons
   store_task_padding<kSwiGLU>(p, tk, cw);
 }
 
-// The SwiGLU backward of a staged [64 tokens][64 columns] slice of da (out = dh [rows, 2 N]), for
-// the e4m3 row tasks (store_task_swiglu_bwd below, the bf16 dgrad's epilogue, keeps its own copy of
-// the loop):
-// prefetch_swiglu_bwd moves the slice's pre-activations into L2 before the slice is staged (each
-// piece below loads them right before its stores, one after another; holding them in registers
-// spills next to the accumulators); flush_swiglu_bwd turns each 8-column piece of a token row into
-// d_gate and d_up (out row r pairs with the forward's h row r).
+// The SwiGLU backward fused into the down projection's dgrad (its tasks: da = dy @ fc2[e] for
+// output columns i x tokens, dy the rows of grad_out as they are, unweighted). Its inputs and
+// optional outputs:
+//   h:     [rows, 2 N] the forward's pre-activations [gate | up] (out row r pairs with h row r);
+//   row_w: [rows] the router weight of each row (nullptr: 1), applied to da in fp32;
+//   act:   [rows, N] bf16(w * silu(gate) * up), the down projection's weight-gradient operand
+//          (the forward keeps no activation: this epilogue has gate and up in hand);
+//   dot:   [rows, dot_ld] per 64 columns c: sum_j da_j * silu(gate_j) * up_j, the pieces of the
+//          router-weight gradient <g, act @ fc2[e]^T> = <g @ fc2[e], act> (summed over the pieces in
+//          column order by bwd_dprobs): the forward keeps no expert output either.
+// out = dh = [d_gate | d_up] ([rows, 2 N]) of w * da.
+struct SwiGLUBwd {
+  const __nv_bfloat16* h = nullptr;
+  const float* row_w = nullptr;
+  __nv_bfloat16* act = nullptr;
+  float* dot = nullptr;
+  int dot_ld = 0;
+};
+
+// The slice's pre-activations into L2 before the slice is staged: below, each piece's loads come
+// right before its stores, one after another (holding them in registers spills next to the
+// accumulators).
 __device__ __forceinline__ void prefetch_swiglu_bwd(const Params& p, const __nv_bfloat16* h, int row0, int col0,
                                                     int n_real) {
   const int64_t ld = 2 * static_cast<int64_t>(p.N);
@@ -649,93 +664,111 @@ __device__ __forceinline__ void store_pair_block_e4m3(const PairBlockE4m3& e4, u
   if (piece == 0) e4.scale[static_cast<int64_t>(kb) * e4.ld + r] = si.x;
 }
 
-// kE4m3: dh's e4m3 copy too (store_pair_block_e4m3).
+// A staged [64 tokens][64 columns] slice of da (bf16-rounded, as an unfused da would be) through
+// the SwiGLU backward, each 8-column piece of a token row by one lane (the 8 pieces of a row on 8
+// consecutive lanes, which sum its dot piece by a fixed butterfly). kE4m3: dh's e4m3 copy too
+// (store_pair_block_e4m3). Shared by the bf16 dgrad (store_task_swiglu_bwd) and the e4m3 row tasks.
 template <bool kE4m3 = false>
-__device__ __forceinline__ void flush_swiglu_bwd(const Params& p, uint32_t stg, const __nv_bfloat16* h, int row0,
+__device__ __forceinline__ void flush_swiglu_bwd(const Params& p, uint32_t stg, const SwiGLUBwd& bw, int row0,
                                                  int col0, int n_real, int bar, const PairBlockE4m3& e4 = {}) {
   const int64_t ld = 2 * static_cast<int64_t>(p.N);
+  const bool lanes_meet = kE4m3 || bw.dot != nullptr;  // every lane goes on to the shuffles
+  const bool need_act = bw.act != nullptr || bw.dot != nullptr;
   warpgroup_bar_sync(bar);
   for (int idx = threadIdx.x % 128; idx < 64 * 8; idx += 128) {
-    const int c = idx / 8, col = col0 + 8 * (idx % 8);
+    const int c = idx / 8, piece = idx % 8, col = col0 + 8 * piece;
     const bool live = c < n_real && col < p.N;
-    if (!kE4m3 && !live) continue;  // kE4m3: every lane goes on to the shuffles
+    if (!lanes_meet && !live) continue;  // warp-uniform: lanes_meet is
     const int r = row0 + c;
-    __nv_bfloat16* dst = p.out + r * ld + col;
     float g[8], u[8], d[8], dg[8], du[8];
+    float w = 1.f;
     if (live) {
-      unpack8(ld16(h + r * ld + col), g);
-      unpack8(ld16(h + r * ld + p.N + col), u);
-      unpack8(ld_shared_v4(stg + 2 * (c * kStageStride + 8 * (idx % 8))), d);
-    } else {  // kE4m3 only: zeros into the amax
+      unpack8(ld16(bw.h + r * ld + col), g);
+      unpack8(ld16(bw.h + r * ld + p.N + col), u);
+      unpack8(ld_shared_v4(stg + 2 * (c * kStageStride + 8 * piece)), d);
+      if (bw.row_w != nullptr) w = bw.row_w[r];
+    } else {  // zeros into the shuffles
 #pragma unroll
       for (int j = 0; j < 8; ++j) g[j] = u[j] = d[j] = 0.f;
     }
+    if (need_act) {
+      float a[8], dot = 0.f;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) swiglu_grad(g[j], u[j], d[j], dg[j], du[j]);
+      for (int j = 0; j < 8; ++j) {
+        a[j] = swiglu(g[j], u[j]);
+        dot = __fadd_rn(dot, __fmul_rn(d[j], a[j]));
+        a[j] = __fmul_rn(w, a[j]);
+      }
+      if (bw.act != nullptr && live) st16(bw.act + static_cast<int64_t>(r) * p.N + col, pack8(a));
+      if (bw.dot != nullptr) {
+#pragma unroll
+        for (int off = 1; off < 8; off *= 2) dot = __fadd_rn(dot, __shfl_xor_sync(0xffffffffu, dot, off));
+        // a slice past the last column (N not a multiple of 128) has no piece of its own
+        if (piece == 0 && c < n_real && col0 < p.N) bw.dot[static_cast<int64_t>(r) * bw.dot_ld + col0 / 64] = dot;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) swiglu_grad(g[j], u[j], __fmul_rn(w, d[j]), dg[j], du[j]);
     const uint4 dg16 = pack8(dg), du16 = pack8(du);
     if (live) {
+      __nv_bfloat16* dst = p.out + r * ld + col;
       st16(dst, dg16);
       st16(dst + p.N, du16);
     }
-    if constexpr (kE4m3) store_pair_block_e4m3(e4, dg16, du16, live, e4.q + r * ld, r, col0 / 64, idx % 8);
+    if constexpr (kE4m3) store_pair_block_e4m3(e4, dg16, du16, live, e4.q + r * ld, r, col0 / 64, piece);
   }
   warpgroup_bar_sync(bar);
 }
 
-// The down projection's dgrad with the SwiGLU backward fused (kWMN tasks against fc2): the task's
-// accumulators are da = dy @ fc2[e] for output columns i (weight rows of the tile) x tokens. They
-// are rounded to bf16 as an unfused da would be, staged, and each 8-column piece of a token row is
-// turned into d_gate and d_up with the forward's pre-activations h = [gate | up] of that row:
-// out = dh = [d_gate | d_up] ([rows, 2 N]).
+// The padding rows [r0, r1) of the SwiGLU backward's outputs, columns col0 .. col0 + cols: +0 in
+// dh (both halves) and act (the weight gradient reads a segment's rows up to a multiple of 16).
+__device__ __forceinline__ void zero_swiglu_bwd_rows(const Params& p, const SwiGLUBwd& bw, int r0, int r1, int col0,
+                                                     int cols) {
+  const int64_t ld = 2 * static_cast<int64_t>(p.N);
+  zero_rows(p.out, ld, r0, r1, col0, cols, p.N);
+  zero_rows(p.out + p.N, ld, r0, r1, col0, cols, p.N);
+  if (bw.act != nullptr) zero_rows(bw.act, p.N, r0, r1, col0, cols, p.N);
+}
+
+// The bf16 dgrad's epilogue (kWMN tasks against fc2): the warpgroup's 64 columns of the task, 64
+// tokens at a time through the staging tile (flush_swiglu_bwd).
 template <class Ring>
 __device__ __forceinline__ void store_task_swiglu_bwd(const Params& p, const Ring& sm, const Task& tk, int cw,
-                                                      const float (&acc)[128], const __nv_bfloat16* h) {
+                                                      const float (&acc)[128], const SwiGLUBwd& bw) {
   const int t = threadIdx.x % 128;
   const int w = t / 32, lane = t % 32;
   const int bar = 2 + cw;
   const uint32_t stg = smem_u32(sm.staging(cw));
   const int col0 = tk.block * WM + cw * 64;
-  const int64_t ld = 2 * static_cast<int64_t>(p.N);
 #pragma unroll
   for (int sl = 0; sl < kMaxTok / 64; ++sl) {
     if (64 * sl >= tk.n_tok) break;
     const int row0 = tk.row0 + 64 * sl;
     const int n_real = tk.n_real - 64 * sl;
-    // the slice's pre-activations into L2 first: below, each piece's loads come right before its
-    // stores, one after another (holding them in registers spills next to the accumulators)
-    for (int idx = t; idx < 64 * 8; idx += 128) {
-      const int c = idx / 8, col = col0 + 8 * (idx % 8);
-      if (c < n_real && col < p.N) {
-        const int hr = row0 + c;
-        prefetch_l2(h + hr * ld + col);
-        prefetch_l2(h + hr * ld + p.N + col);
-      }
-    }
+    prefetch_swiglu_bwd(p, bw.h, row0, col0, n_real);
     stage_plain(stg, acc, sl, w, lane);
-    warpgroup_bar_sync(bar);
-    for (int idx = t; idx < 64 * 8; idx += 128) {
-      const int c = idx / 8, col = col0 + 8 * (idx % 8);
-      if (c >= n_real || col >= p.N) continue;
-      const int r = row0 + c;
-      __nv_bfloat16* dst = p.out + r * ld + col;
-      float g[8], u[8], d[8], dg[8], du[8];
-      unpack8(ld16(h + r * ld + col), g);
-      unpack8(ld16(h + r * ld + p.N + col), u);
-      unpack8(ld_shared_v4(stg + 2 * (c * kStageStride + 8 * (idx % 8))), d);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) swiglu_grad(g[j], u[j], d[j], dg[j], du[j]);
-      st16(dst, pack8(dg));
-      st16(dst + p.N, pack8(du));
-    }
-    warpgroup_bar_sync(bar);
+    flush_swiglu_bwd(p, stg, bw, row0, col0, n_real, bar);
   }
-  if (tk.pad1 > tk.pad0) {
-    zero_rows(p.out, ld, tk.pad0, tk.pad1, col0, 64, p.N);
-    zero_rows(p.out + p.N, ld, tk.pad0, tk.pad1, col0, 64, p.N);
-  }
+  if (tk.pad1 > tk.pad0) zero_swiglu_bwd_rows(p, bw, tk.pad0, tk.pad1, col0, 64);
 }
 
 // ---- host side -----------------------------------------------------------------------------------
+
+inline SwiGLUBwd swiglu_bwd_of(const SwiGLUBackward& a) {
+  return SwiGLUBwd{static_cast<const __nv_bfloat16*>(a.h), a.row_w, static_cast<__nv_bfloat16*>(a.act), a.dot,
+                   a.dot_ld};
+}
+
+// The SwiGLU backward's arguments, checked on the host (nullptr: fine).
+inline const char* check_swiglu_bwd(const SwiGLUBackward& a, int N) {
+  if (a.h == nullptr) {
+    if (a.row_w != nullptr || a.act != nullptr || a.dot != nullptr) return "row_w, act and dot go with h";
+    return nullptr;
+  }
+  if (!aligned16(a.h) || (a.act != nullptr && !aligned16(a.act))) return "h and act must be 16-byte aligned";
+  if (a.dot != nullptr && a.dot_ld < (N + 63) / 64) return "dot needs one column per 64 output columns";
+  return nullptr;
+}
 
 inline Params make_params(const int* seg_offsets, const int* seg_counts, int nseg, int a_rows, int K, int N,
                           bool swiglu, void* out, void* pre_out) {

@@ -154,7 +154,7 @@ decltype(&expert_gemm_fp8_rows_kernel<Epilogue::kPlain, kPaired>) pick_rows_kern
 const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, int K, const float* x_scale,
                                    int x_scale_ld, const void* w8, const float* w_scale, int nseg,
                                    const int* seg_offsets, const int* seg_counts, void* out, void* pre_out, int N,
-                                   const void* h, const int* push_rank, const int* push_slot,
+                                   const SwiGLUBackward& bwd, const int* push_rank, const int* push_slot,
                                    const PeerPtrs* push_bufs, void* dh_q, float* dh_q_scale, int64_t dh_q_ld,
                                    int* tickets, int num_ctas, cudaStream_t stream) {
   if (rows <= 0 || N <= 0) return nullptr;
@@ -167,8 +167,10 @@ const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, in
   if (seg_offsets == nullptr || seg_counts == nullptr) return "mok expert_gemm_fp8: needs segment offsets and counts";
   if (x_scale_ld % 4 || x_scale_ld < rows)
     return "mok expert_gemm_fp8: the token scales need a pitch >= rows, a multiple of 4 (quantize_rows_e4m3)";
-  if (!aligned16(out) || (pre_out != nullptr && !aligned16(pre_out)) || (h != nullptr && !aligned16(h)))
-    return "mok expert_gemm_fp8: out, pre_out and h must start at a 16-byte aligned address (16-byte accesses)";
+  const void* h = bwd.h;
+  if (!aligned16(out) || (pre_out != nullptr && !aligned16(pre_out)))
+    return "mok expert_gemm_fp8: out and pre_out must start at a 16-byte aligned address (16-byte accesses)";
+  if (const char* m = xgemm::check_swiglu_bwd(bwd, N)) return m;
   if (h != nullptr && (swiglu || pre_out != nullptr))
     return "mok expert_gemm_fp8: h (the SwiGLU backward epilogue) goes with plain weights and no pre_out";
   const bool push = push_rank != nullptr;
@@ -202,7 +204,7 @@ const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, in
   p.w_scale = w_scale;
   p.x_scale = x_scale;
   p.x_scale_ld = x_scale_ld;
-  p.h = static_cast<const __nv_bfloat16*>(h);
+  p.bwd = xgemm::swiglu_bwd_of(bwd);
   p.push = xgemm::RowPush{push_rank, push_slot, push ? *push_bufs : PeerPtrs{}};
   if (dh_q != nullptr) p.dh_e4m3 = xgemm::PairBlockE4m3{static_cast<uint8_t*>(dh_q), dh_q_scale, dh_q_ld};
   if (tickets == nullptr) return "mok expert_gemm_fp8: needs its task counter";

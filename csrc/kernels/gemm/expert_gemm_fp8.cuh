@@ -61,8 +61,7 @@ static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 
 // What a task's epilogue writes (expert_gemm.cuh's stores): the forward's SwiGLU (act, optional
 // pre-activations), plain rows (also pushed into their source slots: kPlainPush), or the backward's
-// SwiGLU gradient from the down projection's dgrad (dh = [d_gate | d_up] from da and the forward's
-// pre-activations h).
+// SwiGLU gradient from the down projection's dgrad (xgemm::SwiGLUBwd).
 enum class Epilogue { kPlain, kSwiGLU, kSwiGLUBackward, kPlainPush };
 
 struct Params {
@@ -70,7 +69,7 @@ struct Params {
   const float* w_scale;   // [nseg][n_blocks][nkb]
   const float* x_scale;   // [nkb][x_scale_ld]
   int x_scale_ld;
-  const __nv_bfloat16* h;  // kSwiGLUBackward: the forward's pre-activations [rows, 2 N]
+  xgemm::SwiGLUBwd bwd;    // kSwiGLUBackward: the forward's pre-activations and the extra outputs
   xgemm::RowPush push;     // kPlainPush: the rows' source slots (the forward's combine)
   xgemm::PairBlockE4m3 dh_e4m3;  // kSwiGLUBackward (optional): dh's e4m3 copy as well
   int* tickets = nullptr;  // the launch's task counter, zero at launch (gemm::claim_task)

@@ -253,8 +253,8 @@ __device__ __forceinline__ void zero_pair_blocks_e4m3(const xgemm::PairBlockE4m3
 }
 
 // The warpgroup's 64 token rows of task tk: plain (also pushed into the rows' source slots: push),
-// or the SwiGLU backward of the products with the forward's pre-activations h. The expert's last chunk also writes +0 into the segment's
-// padding rows, the columns of tile cw.
+// or the SwiGLU backward of the products (xgemm::SwiGLUBwd). The expert's last chunk also writes +0
+// into the segment's padding rows, the columns of tile cw.
 template <xgemm8::Epilogue kEpi>
 __device__ __forceinline__ void store_task(const xgemm8::Params& p, const Smem& sm, const xgemm::Task& tk, int cw,
                                            float (&acc)[128]) {
@@ -274,12 +274,12 @@ __device__ __forceinline__ void store_task(const xgemm8::Params& p, const Smem& 
       for (int half = 0; half < 2; ++half) {
         const int col0 = tile * xgemm::WM + 64 * half;
         if constexpr (kEpi == Epilogue::kSwiGLUBackward) {
-          xgemm::prefetch_swiglu_bwd(g, p.h, row0, col0, n_real);
+          xgemm::prefetch_swiglu_bwd(g, p.bwd.h, row0, col0, n_real);
           stage_rows_plain(stg, acc, 2 * j + half, w, lane);
           if (p.dh_e4m3.q != nullptr)
-            xgemm::flush_swiglu_bwd<true>(g, stg, p.h, row0, col0, n_real, bar, p.dh_e4m3);
+            xgemm::flush_swiglu_bwd<true>(g, stg, p.bwd, row0, col0, n_real, bar, p.dh_e4m3);
           else
-            xgemm::flush_swiglu_bwd(g, stg, p.h, row0, col0, n_real, bar);
+            xgemm::flush_swiglu_bwd(g, stg, p.bwd, row0, col0, n_real, bar);
         } else {
           stage_rows_plain(stg, acc, 2 * j + half, w, lane);
           xgemm::flush_staging(stg, 64, g.out, g.N, row0, col0, g.N, n_real, bar,
@@ -291,8 +291,7 @@ __device__ __forceinline__ void store_task(const xgemm8::Params& p, const Smem& 
   if (tk.pad1 > tk.pad0 && cw < tiles) {
     const int tile = kTiles * tk.block + cw;
     if constexpr (kEpi == Epilogue::kSwiGLUBackward) {
-      xgemm::zero_rows(g.out, 2 * g.N, tk.pad0, tk.pad1, tile * xgemm::WM, xgemm::WM, g.N);
-      xgemm::zero_rows(g.out + g.N, 2 * g.N, tk.pad0, tk.pad1, tile * xgemm::WM, xgemm::WM, g.N);
+      xgemm::zero_swiglu_bwd_rows(g, p.bwd, tk.pad0, tk.pad1, tile * xgemm::WM, xgemm::WM);
       if (p.dh_e4m3.q != nullptr) zero_pair_blocks_e4m3(p.dh_e4m3, 2 * g.N, tk.pad0, tk.pad1, 2 * tile);
     } else {
       xgemm::zero_rows(g.out, g.N, tk.pad0, tk.pad1, tile * xgemm::WM, xgemm::WM, g.N);
