@@ -28,7 +28,7 @@ class ReferenceContext:
 
     x_routed: torch.Tensor  # [cap, H] dispatched rows (zeros in padding rows)
     fc1_out: torch.Tensor  # [cap, 2I] gate/up pre-activations
-    y_routed: torch.Tensor  # [cap, H] unweighted expert outputs (router-weight gradient)
+    y_routed: torch.Tensor  # [cap, H] unweighted expert outputs (the combine's rows)
     shared_fc1_out: torch.Tensor | None  # [T, 2Is]
     # (workspace uid, schedule step) of the schedule the forward ran (set by functional; the backward
     # checks it against its schedule)
@@ -167,15 +167,19 @@ def backward(ws, sched, ctx: ReferenceContext, grad_out, x, probs, fc1, fc2, sha
              dgrad_precision: str = "bf16", wgrad_precision: str = "bf16"):
     """Returns (dx, dprobs, dfc1, dfc2, dshared_fc1, dshared_fc2); weight grads in fp32 (fp64 for fp64 x).
 
-    wgrad_precision "fp8" (``MoKConfig.fp8_wgrad``): the routed weight gradients' operands (dy, act,
-    dh and the dispatched rows, each rounded to bf16 as the kernels hold them) go through e4m3 with
-    one scale per expert and column (``fp8.quantize_columns``).
+    The router weight w of a row is applied where the kernels apply it: after the down dgrad
+    (``d = w * (g @ fc2[e])``), and on act for the down weight gradient (``g^T @ (w * act)``).
+
+    wgrad_precision "fp8" (``MoKConfig.fp8_wgrad``): the routed weight gradients' operands (the
+    grad_out rows g, ``w * act`` from the bf16 h, dh and the dispatched rows, each rounded to bf16 as
+    the kernels hold them) go through e4m3 with one scale per expert and column
+    (``fp8.quantize_columns``).
 
     dgrad_precision "fp8" (``MoKConfig.fp8_dgrad``): the routed dgrads' operands go through
-    block-scaled e4m3 as the kernels quantize them: dy (rounded to bf16) along H against fc2, and
-    dh along fc1's K in gate/up pair blocks against fc1, with da, h and dh rounded to bf16 where the
-    kernels hold them. The weight gradients keep the unquantized dy and the bf16 dh. The shared
-    expert's backward stays unquantized (its h comes from the context, e4m3 when its forward was).
+    block-scaled e4m3 as the kernels quantize them: g (unweighted) along H against fc2, and dh along
+    fc1's K in gate/up pair blocks against fc1, with da, h and dh rounded to bf16 where the kernels
+    hold them. The weight gradients keep the unquantized g and the bf16 dh. The shared expert's
+    backward stays unquantized (its h comes from the context, e4m3 when its forward was).
     """
     cd = _compute_dtype(x)
     gc = grad_out.to(cd)
@@ -188,7 +192,9 @@ def backward(ws, sched, ctx: ReferenceContext, grad_out, x, probs, fc1, fc2, sha
         sched.row_src_rank.clamp(min=0).long(), sched.row_src_slot.clamp(min=0).long()
     ]
     w_rows = torch.where(valid, w_rows, torch.zeros_like(w_rows))
-    d_w_rows = (g_rows * ctx.y_routed).sum(-1)  # <dY, y>, the router-weight gradient per row
+    # the router-weight gradient per row, <g, y> = <g @ fc2[e], act>, as the kernels form it from the
+    # down dgrad's product (with its operands: e4m3 under fp8_dgrad), not from the forward's output
+    d_w_rows = torch.zeros(g_rows.shape[0], dtype=cd, device=g_rows.device)
     dy = g_rows * w_rows.unsqueeze(1)
     dx_rows = torch.zeros_like(ctx.x_routed)
     dfc1 = torch.zeros(fc1.shape, dtype=cd, device=fc1.device)
@@ -203,16 +209,22 @@ def backward(ws, sched, ctx: ReferenceContext, grad_out, x, probs, fc1, fc2, sha
             continue  # an expert without tokens keeps an exact zero gradient
         rows = slice(start, start + count)
         h = ctx.fc1_out[rows]
-        a = _swiglu(h)
-        dfc2[e] = wq(dy[rows]).t() @ wq(a)
+        w = w_rows[rows].unsqueeze(1)
+        if wgrad_precision == "fp8":  # as the kernels hold them: g, and bf16(w * act) from the bf16 h
+            dfc2[e] = wq(g_rows[rows]).t() @ wq(w * _swiglu(_bf16(h)))
+        else:
+            dfc2[e] = dy[rows].t() @ _swiglu(h)
         if quant:
-            dh = _bf16(_swiglu_backward(_bf16(h), _bf16(_qdq_rows(dy[rows]) @ w2[e])))
+            da = _bf16(_qdq_rows(g_rows[rows]) @ w2[e])
+            d_w_rows[rows] = (da * _swiglu(_bf16(h))).sum(-1)
+            dh = _bf16(_swiglu_backward(_bf16(h), w * da))
             dx_rows[rows] = _qdq_rows(dh, gate_up_pairs=True) @ w1[e]
         else:
+            d_w_rows[rows] = ((g_rows[rows] @ fc2[e].to(cd)) * _swiglu(h)).sum(-1)
             dh = _swiglu_backward(h, dy[rows] @ fc2[e].to(cd))
             dx_rows[rows] = dh @ fc1[e].to(cd)
-            if wgrad_precision == "fp8":  # dh as the bf16 dgrad kernel holds it: from bf16 h, dy and da
-                dh = _swiglu_backward(_bf16(h), _bf16(_bf16(dy[rows]) @ fc2[e].to(cd)))
+            if wgrad_precision == "fp8":  # dh as the bf16 dgrad kernel holds it: from bf16 h, g and da
+                dh = _swiglu_backward(_bf16(h), w * _bf16(_bf16(g_rows[rows]) @ fc2[e].to(cd)))
         dfc1[e] = wq(dh).t() @ wq(ctx.x_routed[rows])
     dx_slots = _push_rows(ws, sched, dx_rows).view(ws.num_tokens, k, -1)
     dprobs = _push_rows(ws, sched, d_w_rows).view(ws.num_tokens, k)

@@ -280,8 +280,9 @@ def test_transposed_weight_copy_is_the_same_tiles(swiglu):
 
 
 def test_reference_fp8_dgrads():
-    """dgrad_precision fp8 moves dx by a few percent (e4m3 operands), leaves dprobs, the fc2
-    gradient (unquantized dy) and the shared expert's gradients (its backward stays bf16) exactly,
+    """dgrad_precision fp8 moves dx and dprobs (formed from the down dgrad's product, as the
+    kernels do) by a few percent (e4m3 operands), leaves the fc2 gradient (unquantized grad_out
+    rows) and the shared expert's gradients (its backward stays bf16) exactly,
     and the CPU path follows MoKConfig.fp8_dgrad, with the shared expert's forward in e4m3 or not."""
     x, top, probs, fc1, fc2, sfc1, sfc2 = _layer_problem(I=256)
     g = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
@@ -296,7 +297,8 @@ def test_reference_fp8_dgrads():
                                     dgrad_precision=cfg.dgrad_precision)
         assert torch.equal(grads[fp8_dgrad, fp8_shared].dx, direct[0].to(x.dtype))
     q, b = grads[True, True], grads[False, True]
-    assert torch.equal(q.dprobs, b.dprobs) and torch.equal(q.dfc2, b.dfc2)
+    assert torch.equal(q.dfc2, b.dfc2)
+    assert 2e-3 < _rel(q.dprobs, b.dprobs) < 6e-2
     assert torch.equal(q.dshared_fc1, b.dshared_fc1) and torch.equal(q.dshared_fc2, b.dshared_fc2)
     assert 2e-3 < _rel(q.dx, b.dx) < 6e-2
     assert 2e-3 < _rel(q.dfc1, b.dfc1) < 6e-2  # dh comes from the e4m3 dgrad of dy
