@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# CPU compile check of every CUDA kernel file (no GPU, no torch headers needed):
+# CPU compile check of every CUDA kernel file (no GPU; torch headers only for the link check):
 #   nvcc -gencode=arch=compute_90a,code=sm_90a per csrc/kernels/**/*.cu, -Xptxas -v;
 #   prints compiler warnings; fails on any compile error, on register spills / stack frames in the GEMM kernels, on
 #   ptxas serializing their wgmmas (C751x), if the SASS of the GEMM objects holds no HGMMA (wgmma),
-#   and if a bf16 GEMM kernel fences at GPU scope more than twice (a per-stage fence).
+#   and if a bf16 GEMM kernel fences at GPU scope more than twice (a per-stage fence); then a link check:
+#   every kernel launcher the bindings (csrc/bindings/*.cpp, compiled on the host against torch's headers)
+#   call is defined by a kernel object with the same signature.
 # Usage: scripts/check_kernels.sh [python]   (default: python3). Installs nvidia-cutlass==4.2.0.0
 # (--no-deps) into that python when its headers are missing. nvcc 13.0 must be on PATH.
 set -euo pipefail
@@ -75,5 +77,35 @@ for src in "${SOURCES[@]}"; do
   fi
   printf '%-16s %8s  %s\n' "$name" "$secs" "$result"
 done
+# Link check: every launcher the torch ops call is defined by a kernel object with that exact
+# signature (a declaration in api.h that no .cu defines alike links to nothing, and the extension
+# fails at import on the GPU machine: "undefined symbol"). The bindings compile against the torch
+# headers of $PY (module.cpp, Python's registration only, is left out).
+TORCH_INC="$("$PY" -c 'import torch.utils.cpp_extension as c; print(" ".join("-I" + p for p in c.include_paths()))' 2>/dev/null)"
+t0=$(date +%s%N)
+pids=()
+for src in "$ROOT"/csrc/bindings/*.cpp; do
+  name="bindings_$(basename "$src" .cpp)"
+  [[ "$name" == bindings_module ]] && continue
+  # shellcheck disable=SC2086
+  # nvcc as the host-compiler driver: it adds the CUDA headers' path (c10/cuda includes cuda_runtime.h)
+  nvcc -x c++ -std=c++17 -w -O0 -c $TORCH_INC -I"$ROOT/csrc" -I"$ROOT/csrc/kernels" -DTORCH_EXTENSION_NAME=_C \
+    "$src" -o "$OUT/$name.o" > "$OUT/$name.log" 2>&1 &
+  pids+=($!)
+done
+link="ok"
+for pid in "${pids[@]}"; do wait "$pid" || link="COMPILE ERROR"; done
+if [[ "$link" != ok ]]; then
+  cat "$OUT"/bindings_*.log | grep -E "error" | head -20; status=1
+else
+  nm -C --defined-only "$OUT"/*.o 2>/dev/null | grep -E " [TW] mok::" | sed -E 's/^[0-9a-f]+ [TW] //' | sort -u > "$OUT/defined.txt"
+  missing="$(nm -C --undefined-only "$OUT"/bindings_*.o | sed -nE 's/^ +U (mok::.*)$/\1/p' | sort -u | grep -vxF -f "$OUT/defined.txt" || true)"
+  if [[ -n "$missing" ]]; then
+    link="UNDEFINED: $(tr '\n' ';' <<< "$missing")"; status=1
+  else
+    link="ok ($(nm -C --undefined-only "$OUT"/bindings_*.o | grep -c " U mok::") launcher references, all defined)"
+  fi
+fi
+printf '%-16s %8s  %s\n' "bindings link" "$(( ($(date +%s%N) - t0) / 1000000 ))ms" "$link"
 [[ $status -eq 0 ]] && echo "check_kernels: PASS" || echo "check_kernels: FAIL"
 exit $status

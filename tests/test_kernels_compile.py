@@ -1,6 +1,8 @@
 """CI compile check of the CUDA kernels: every csrc/kernels/**/*.cu builds for sm_90a with nvcc on this
-CPU machine, the GEMM kernels do not spill, and their SASS holds HGMMA (wgmma) instructions. Also: the
-kernel library reads no environment variables (its tuned choices are constants, csrc/kernels/tuning.h)."""
+CPU machine, the GEMM kernels do not spill, their SASS holds HGMMA (wgmma) instructions, and every
+launcher the torch bindings call is defined with the same signature (no "undefined symbol" at import
+on a GPU machine). Also: the kernel library reads no environment variables (its tuned choices are
+constants, csrc/kernels/tuning.h)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ def test_kernels_compile_for_sm90a_with_hgmma():
     # the e4m3 GEMM runs on e4m3 wgmma (QGMMA in SASS), not on a bf16 fallback
     fp8_line = next(line for line in proc.stdout.splitlines() if line.startswith("expert_gemm_fp8 "))
     assert re.search(r"QGMMA \(e4m3\): [1-9]", fp8_line), fp8_line
+    # the bindings' launcher calls link: each is defined by a kernel object with the same signature
+    assert re.search(r"^bindings link .* ok \([1-9]\d* launcher references, all defined\)$", proc.stdout, re.M)
 
 
 def test_kernel_library_reads_no_environment():
