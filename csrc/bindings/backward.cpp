@@ -18,24 +18,13 @@ void bwd_publish(const Tensor& grad_out, Tensor& g_dst, const Tensor& probs, Ten
   check_cuda(errors, "errors", at::kInt);
   TORCH_CHECK(grad_out.numel() == g_dst.numel() && probs.numel() == p_dst.numel(),
               "megatron_mok: bwd_publish buffers differ in size");
-  TORCH_CHECK(expert_counts.has_value() == expert_offsets.has_value(),
-              "megatron_mok: bwd_publish expert_counts and expert_offsets go together");
-  int *counts = nullptr, *offsets = nullptr, nle = 0;
-  if (expert_counts.has_value()) {
-    check_cuda(*expert_counts, "expert_counts", at::kInt);
-    check_cuda(*expert_offsets, "expert_offsets", at::kInt);
-    TORCH_CHECK(expert_offsets->numel() == expert_counts->numel() + 1,
-                "megatron_mok: bwd_publish expert_offsets must have nle + 1 entries");
-    counts = expert_counts->data_ptr<int>();
-    offsets = expert_offsets->data_ptr<int>();
-    nle = static_cast<int>(expert_counts->numel());
-  }
+  const ScheduleArgs s = schedule_args(expert_counts, expert_offsets);
   c10::cuda::CUDAGuard guard(grad_out.device());
   check(mok::launch_bwd_publish(grad_out.data_ptr(), g_dst.data_ptr(), static_cast<int64_t>(grad_out.nbytes()),
                                 probs.data_ptr(), p_dst.data_ptr(), static_cast<int64_t>(probs.nbytes()),
                                 peers(peer_flags, "peer_flags"), state.data_ptr<int>(), errors.data_ptr<int>(),
                                 static_cast<int>(rank), static_cast<int>(peer_flags.size()), timeout_ns_of(timeout_s),
-                                call_header(header), current_stream(), counts, offsets, nle));
+                                call_header(header), current_stream(), s.counts, s.offsets, s.nle));
 }
 
 void bwd_pull(const Tensor& row_src_rank, const Tensor& row_src_slot, const Tensor& expert_offsets, Tensor& g_rows,

@@ -5,23 +5,6 @@ namespace {
 
 using namespace mok_bindings;
 
-// The call's schedule (optional): (counts, offsets, nle) for a barrier that empties it once this rank
-// is stopped (a peer's verdict or a header mismatch).
-struct ScheduleArgs {
-  int* counts = nullptr;
-  int* offsets = nullptr;
-  int nle = 0;
-};
-
-ScheduleArgs schedule_args(const std::optional<Tensor>& counts, const std::optional<Tensor>& offsets) {
-  TORCH_CHECK(counts.has_value() == offsets.has_value(), "megatron_mok: expert_counts and expert_offsets go together");
-  if (!counts.has_value()) return {};
-  check_cuda(*counts, "expert_counts", at::kInt);
-  check_cuda(*offsets, "expert_offsets", at::kInt);
-  TORCH_CHECK(offsets->numel() == counts->numel() + 1, "megatron_mok: expert_offsets must have nle + 1 entries");
-  return {counts->data_ptr<int>(), offsets->data_ptr<int>(), static_cast<int>(counts->numel())};
-}
-
 void barrier(Tensor& state, Tensor& errors, std::vector<int64_t> peer_flags, int64_t rank, double timeout_s,
              int64_t bump_gather, const std::optional<Tensor>& expert_counts,
              const std::optional<Tensor>& expert_offsets) {

@@ -81,6 +81,23 @@ inline uint64_t timeout_ns_of(double timeout_s) {
   return ns > 1.8e19 ? UINT64_MAX : static_cast<uint64_t>(ns);
 }
 
+// The call's schedule (optional): (counts, offsets, nle) for a barrier that empties it once this rank
+// is stopped (a peer's verdict or a header mismatch): the barriers' and bwd_publish's.
+struct ScheduleArgs {
+  int* counts = nullptr;
+  int* offsets = nullptr;
+  int nle = 0;
+};
+
+inline ScheduleArgs schedule_args(const std::optional<Tensor>& counts, const std::optional<Tensor>& offsets) {
+  TORCH_CHECK(counts.has_value() == offsets.has_value(), "megatron_mok: expert_counts and expert_offsets go together");
+  if (!counts.has_value()) return {};
+  check_cuda(*counts, "expert_counts", at::kInt);
+  check_cuda(*offsets, "expert_offsets", at::kInt);
+  TORCH_CHECK(offsets->numel() == counts->numel() + 1, "megatron_mok: expert_offsets must have nle + 1 entries");
+  return {counts->data_ptr<int>(), offsets->data_ptr<int>(), static_cast<int>(counts->numel())};
+}
+
 // Weight tiles of the e4m3 GEMM per expert: 128 rows, or (swiglu) 64 gate rows with the same up rows.
 inline int64_t e4m3_weight_tiles(int64_t n, bool swiglu) { return swiglu ? (n + 63) / 64 : (n + 127) / 128; }
 

@@ -22,7 +22,6 @@ __device__ __forceinline__ const uint4* pull_source(int row, int src, const int*
                                         static_cast<int64_t>(slot / k) * H);
 }
 
-template <int kUnroll = 4>
 __device__ __forceinline__ void pull_grad_row(int row, __nv_bfloat16* g_row, float* __restrict__ row_w,
                                               const int* __restrict__ row_src_rank,
                                               const int* __restrict__ row_src_slot, const PeerPtrs& g_bufs,
@@ -35,16 +34,7 @@ __device__ __forceinline__ void pull_grad_row(int row, __nv_bfloat16* g_row, flo
     if (lane == 0) row_w[row] = 0.f;
     return;
   }
-  const uint4* g = pull_source(row, src, row_src_slot, g_bufs, p_bufs, row_w, H, k, lane);
-  int c = lane;
-  for (; c + 32 * (kUnroll - 1) < n16; c += 32 * kUnroll) {
-    uint4 gv[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) gv[u] = ld16(g + c + 32 * u);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) st16(dst + c + 32 * u, gv[u]);
-  }
-  for (; c < n16; c += 32) st16(dst + c, ld16(g + c));
+  warp_copy_row(dst, pull_source(row, src, row_src_slot, g_bufs, p_bufs, row_w, H, k, lane), n16, lane);
 }
 
 // pull_grad_row that also quantizes the row for the fp8 dgrad, as quantize_rows_e4m3 would from
