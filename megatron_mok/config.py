@@ -10,9 +10,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
-# Every expert segment of the routed-row buffer is padded to this many rows (the GEMM M tile).
-# A layout constant, not a knob: changing it would change the schedule, not the results.
-ROW_ALIGN = 128
+# Every expert segment of the routed-row buffer starts at a multiple of this many rows: the e4m3
+# weight gradients sum tokens in 32-row MMA groups, and every other kernel masks or zero-fills by
+# the expert's count. The capacity and minibatch_rows are multiples of TILE_ROWS (the persistent
+# megakernel's 128-row readiness tiles). Layout constants, not knobs: they change the schedule and
+# the memory, not the results.
+ROW_ALIGN = 32
+TILE_ROWS = 128
 
 PRECISIONS = ("bf16", "fp8")  # fp8: the routed experts' GEMMs in block-scaled e4m3 (fp8_dgrad)
 # How the forward pass is composed from the GEMM core: one persistent megakernel that overlaps the
@@ -33,7 +37,7 @@ class MoKConfig:
     bwd_comm_sms: SMs for the backward's pull and push kernels (1-132): they run 4 CTAs per such SM,
         and the shared expert's side stream takes the rest.
     minibatch_rows: routed rows per compute/communication overlap step of the persistent forward
-        (multiple of ROW_ALIGN): it overlaps in minibatch_rows / 256 token chunks of up to 256 rows
+        (multiple of TILE_ROWS): it overlaps in minibatch_rows / 256 token chunks of up to 256 rows
         (at least one).
     capacity_factor: fraction of the worst case (every token of every rank routed here) that the
         routed-row buffer holds; 1.0 can never overflow. Overflow raises, it never drops tokens.
@@ -82,9 +86,9 @@ class MoKConfig:
             value = getattr(self, name)
             if not 1 <= value <= most:
                 raise MoKConfigError(f"MoKConfig.{name} must be in [1, {most}], got {value}")
-        if self.minibatch_rows <= 0 or self.minibatch_rows % ROW_ALIGN:
+        if self.minibatch_rows <= 0 or self.minibatch_rows % TILE_ROWS:
             raise MoKConfigError(
-                f"MoKConfig.minibatch_rows must be a positive multiple of {ROW_ALIGN}, "
+                f"MoKConfig.minibatch_rows must be a positive multiple of {TILE_ROWS}, "
                 f"got {self.minibatch_rows}"
             )
         cf = self.capacity_factor
@@ -146,8 +150,8 @@ def routed_capacity(cfg: MoKConfig, ep_size: int, num_tokens: int, topk: int, nu
     """Rows of the routed-row buffer on one rank (host-side sizing, no device data involved).
 
     The worst case is every token of every rank sending min(topk, local experts) rows here, plus
-    the padding of each local expert segment to ROW_ALIGN.
+    the padding of each local expert segment to ROW_ALIGN, rounded up to TILE_ROWS.
     """
     worst = ep_size * num_tokens * min(topk, num_local_experts)
     rows = math.ceil(cfg.capacity_factor * worst) + num_local_experts * (ROW_ALIGN - 1)
-    return -(-rows // ROW_ALIGN) * ROW_ALIGN
+    return -(-rows // TILE_ROWS) * TILE_ROWS

@@ -16,8 +16,9 @@ naming the field and the failing rank, instead of leaving its peers waiting. On 
 rank whose check fails still takes part in the call's first device barrier, the one its peers wait
 in (``_reject``: one small launch, no wait), with a verdict word saying which check failed, then
 raises its own error; its peers' barriers flag it and their next ``ws.check_errors()`` raises
-``MoKInputError`` naming that rank and the reason (megatron_mok/header.py). Calls whose checks pass
-launch nothing more and sync nothing.
+``MoKInputError`` naming that rank and the reason (megatron_mok/header.py). Before that launch it
+makes the call's symmetric buffers as its peers do (``_symmetric_buffers``: on a workspace's first
+call of a kind, a host collective). Calls whose checks pass launch nothing more and sync nothing.
 """
 
 from __future__ import annotations
@@ -147,10 +148,20 @@ def _kernel_side(t, ws) -> bool:
     return _kernels_on(getattr(ws, "device", None))
 
 
-def _reject(ws, call: str, err: MoKInputError) -> None:
+def _buffer_cfg(cfg, ws) -> MoKConfig:
+    """The config that picks a call's symmetric buffers (its precision): the call's, or where that
+    is no MoKConfig (the check that failed), the one the ranks agreed on at workspace creation."""
+    if isinstance(cfg, MoKConfig):
+        return cfg
+    return ws.cfg if isinstance(ws.cfg, MoKConfig) else MoKConfig()
+
+
+def _reject(ws, call: str, err: MoKInputError, cfg=None) -> None:
     """Kernel path, this rank's check failed: take part in the call's first device barrier, the one
     the peers wait in, with the verdict word instead of data (``ops.barrier_reject``: no wait), so
     the peers raise a ``MoKInputError`` naming this rank and the reason instead of timing out.
+    First it makes (or finds) the call's symmetric buffers, as the peers do before that barrier: on a
+    workspace's first call of this kind their creation is a collective the peers wait in.
     Alone, or while a CUDA graph is captured, there is no one to tell."""
     if not isinstance(ws, MoKWorkspace) or ws.ep_size == 1 or ws.device.type != "cuda":
         return
@@ -161,13 +172,18 @@ def _reject(ws, call: str, err: MoKInputError) -> None:
         from .cuda.comm import comm
 
         c = comm(ws)
+        try:
+            c.call_buffers(call, _buffer_cfg(cfg, ws))
+        except Exception as make_err:  # noqa: BLE001 - the barrier buffer exists: the verdict still goes out
+            err.add_note(f"megatron_mok: this rank could not make the call's symmetric buffers ({make_err}); "
+                         "peers making them wait for it")
         ops.barrier_reject(c.state, ws.errors, c.flag_ptrs, ws.rank, verdict_of(err, call),
                            bump_gather=call == "build_schedule")
     except Exception as launch_err:  # noqa: BLE001 - the input error is what this rank raises
         err.add_note(f"megatron_mok: the verdict could not reach the peers ({launch_err}); they will time out")
 
 
-def _verdict(x, ws, call: str, checks) -> tuple[MoKInputError | None, bool]:
+def _verdict(x, ws, call: str, checks, cfg=None) -> tuple[MoKInputError | None, bool]:
     """Run a call's host checks; ``checks()`` returns whether the kernels run the call. Returns
     (this rank's error or None, kernels). On the kernel path a failed check is sent to the peers in
     the call's first device barrier (``_reject``) and raised here. On the reference path the error
@@ -176,9 +192,34 @@ def _verdict(x, ws, call: str, checks) -> tuple[MoKInputError | None, bool]:
         return None, checks()
     except MoKInputError as err:
         if _kernel_side(x, ws):
-            _reject(ws, call, err)
+            _reject(ws, call, err, cfg)
             raise
         return err, False
+
+
+def _symmetric_buffers(cfg: MoKConfig, ws: MoKWorkspace, call: str) -> None:
+    """Kernel path, checks passed: the call's symmetric buffers, all made before its first device
+    barrier in one fixed order (cuda/comm.py: CALL_BUFFERS), the same function ``_reject`` runs.
+    Making them is a host collective, on a workspace's first call of each kind only. A rank that a
+    peer's verdict (or a header mismatch) stopped raises that first: the peer has raised and will
+    not join. Every rank stops at the same barrier, so they all raise here alike; the device sync
+    this takes comes once per workspace and call kind."""
+    from .cuda import comm as cuda_comm
+
+    if ws.ep_size > 1 and not cuda_comm.has_call_buffers(ws, call, cfg) \
+            and not torch.cuda.is_current_stream_capturing():
+        _raise_if_stopped(ws, cuda_comm.workspaces_with_buffers())
+    cuda_comm.comm(ws).call_buffers(call, cfg)
+
+
+def _raise_if_stopped(ws: MoKWorkspace, others) -> None:
+    """Raise the verdict or header mismatch that stopped this rank, on ``ws`` or on another
+    workspace of its group (``others``; the peer that rejected may have done so in another layer's)."""
+    for w in [ws, *(o for o in others if o is not ws and o.group is ws.group and o.device == ws.device)]:
+        if w.errors.is_cuda:
+            torch.cuda.synchronize(w.device)  # every barrier launched so far has seen what it will
+        if int(w.errors[ErrorCode.HEADER_MISMATCH]):
+            w.check_errors(blocking=True)
 
 
 def _check_tensor(name, t, shape, dtypes, device):
@@ -249,8 +290,9 @@ def build_schedule(cfg: MoKConfig, ws: MoKWorkspace, top_experts: torch.Tensor) 
             _check_cfg(cfg)
             validate_top_experts(ws, top_experts)
         except MoKInputError as err:
-            _reject(ws, "build_schedule", err)  # the peers wait in the routing all-gather's barrier
+            _reject(ws, "build_schedule", err, cfg)  # the peers wait in the routing all-gather's barrier
             raise
+        _symmetric_buffers(cfg, ws, "build_schedule")
         return stamp_schedule(ws, _cuda().build_schedule(cfg, ws, top_experts))
     return build_schedule_reference(ws, top_experts, cfg)
 
@@ -342,10 +384,11 @@ def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1,
         _check_fp8(cfg, ws, fc1, fc2, fp8_weights)
         return _route(cfg, ws, x, fc1, shared_fc1, "forward")
 
-    error, use_kernels = _verdict(x, ws, "forward", checks)
+    error, use_kernels = _verdict(x, ws, "forward", checks, cfg)
     if use_kernels:
         if not torch.cuda.is_current_stream_capturing():
             ws.check_errors()  # sync-free: raises errors of earlier calls once their copy landed
+        _symmetric_buffers(cfg, ws, "forward")
         out, ctx = _cuda().forward(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2,
                                           fp8_weights=fp8_weights)
         return out, _tag_context(ctx, sched)
@@ -371,8 +414,9 @@ def recompute_forward_context(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedu
         _check_fp8(cfg, ws, fc1, fc2, fp8_weights)
         return _route(cfg, ws, x, fc1, shared_fc1, "recompute_forward_context")
 
-    error, use_kernels = _verdict(x, ws, "recompute_forward_context", checks)
+    error, use_kernels = _verdict(x, ws, "recompute_forward_context", checks, cfg)
     if use_kernels:
+        _symmetric_buffers(cfg, ws, "recompute_forward_context")
         ctx = _cuda().recompute_forward_context(cfg, ws, sched, x, fc1, fc2, shared_fc1,
                                                        fp8_weights=fp8_weights)
         return _tag_context(ctx, sched)
@@ -404,8 +448,10 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
         _check_fp8(cfg, ws, fc1, fc2, fp8_weights)
         return _route(cfg, ws, x, fc1, shared_fc1, "backward") and not isinstance(ctx, reference.ReferenceContext)
 
-    error, use_kernels = _verdict(x, ws, "backward", checks)
+    error, use_kernels = _verdict(x, ws, "backward", checks, cfg)
     if use_kernels:
+        # all of them before the recompute's (ctx None) or the regather's first barrier
+        _symmetric_buffers(cfg, ws, "backward")
         return _cuda().backward(cfg, ws, sched, ctx, grad_out, x, probs, fc1, fc2,
                                        shared_fc1, shared_fc2, main_grads, fp8_weights=fp8_weights)
     given = "reference" if isinstance(ctx, reference.ReferenceContext) else "none (recomputed)"

@@ -19,10 +19,11 @@ _LOAD_ERROR: str | None = None
 
 # Must match kChunk in csrc/kernels/comm/schedule.cu (tokens per block of the schedule passes).
 SCHEDULE_CHUNK = 256
-# Must match csrc/kernels/passes/persistent.cuh (kHeader ints), then (megakernel.cu) 2 per routed
-# m-tile, 1 per shared m-tile.
+# Must match csrc/kernels/passes/persistent.cuh (kHeader ints), then (megakernel.cu) 1 per routed
+# m-tile, 1 per routed token chunk (at most nle + capacity / 256), 1 per shared m-tile.
 MEGA_COUNTER_HEADER = 4
 ROW_TILE = 128
+CHUNK_ROWS = 256
 # Must match xgemm::kMaxSeg in csrc/kernels/gemm/expert_gemm.cuh: segments (local experts) per launch.
 EXPERT_GEMM_MAX_SEGMENTS = 512
 
@@ -75,9 +76,10 @@ def schedule_scratch_ints(ep: int, num_tokens: int, nle: int, num_experts: int) 
     return nle * ep * math.ceil(num_tokens / SCHEDULE_CHUNK) + num_experts
 
 
-def megakernel_counter_ints(capacity: int, num_tokens: int) -> int:
+def megakernel_counter_ints(capacity: int, num_tokens: int, num_local_experts: int) -> int:
     """int32 counters of the forward megakernel."""
-    return MEGA_COUNTER_HEADER + 2 * (capacity // ROW_TILE) + math.ceil(num_tokens / ROW_TILE)
+    return (MEGA_COUNTER_HEADER + capacity // ROW_TILE + num_local_experts + capacity // CHUNK_ROWS
+            + math.ceil(num_tokens / ROW_TILE))
 
 
 def publish_barrier(src, dst, state, errors, peer_flags: list[int], rank: int, timeout_s: float,

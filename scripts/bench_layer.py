@@ -338,6 +338,11 @@ def annotate_rows(rows: list[dict], rates: dict, stats_for) -> None:
         r["roofline"] = roof
         r["roofline_ms"] = roof["roofline_ms"]
         r["roofline_fraction"] = roof["roofline_ms"] / r["ms"]
+        if rates.get("hbm_copy_bytes_per_s"):  # the same roofline at this GPU's measured copy rate
+            here = roofline(roof, roof["matmul_tflops"], rates["hbm_copy_bytes_per_s"], roof["nvlink_bytes_per_s"])
+            r["roofline_this_gpu_ms"] = here["roofline_ms"]
+            r["roofline_this_gpu_bound"] = here["bound"]
+            r["roofline_this_gpu_fraction"] = here["roofline_ms"] / r["ms"]
 
 
 def annotate_speedups(rows: list[dict]) -> None:
@@ -1140,6 +1145,15 @@ def matmul_rates(dev) -> dict:
     return out
 
 
+def hbm_copy_rate(dev) -> float:
+    """This GPU's device-to-device copy rate in bytes/s (read + write, 1 GiB, median of 20): the HBM
+    rate a kernel can reach here, stored beside the fixed roofline rate (an H100 copies ~3.0 TB/s,
+    an H200 ~4.2)."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    return 2 * a.numel() / (_median_ms(lambda: b.copy_(a)) * 1e-3)
+
+
 def mok_gate(shape: str, dev, seed: int) -> float:
     """mok (MoKConfig() defaults) against reference_moe in fp32 at T=256 with the shape's real H, I,
     E, k; at EP > 1 every rank computes its experts' part for all ranks' tokens and the parts are summed."""
@@ -1575,10 +1589,11 @@ def main() -> None:
 
     t0 = time.time()
     rates = matmul_rates(dev)
-    rates.update(hbm_bytes_per_s=args.hbm_tbps * 1e12, nvlink_bytes_per_s=args.nvlink_gbps * 1e9,
+    rates.update(hbm_copy_bytes_per_s=hbm_copy_rate(dev), hbm_bytes_per_s=args.hbm_tbps * 1e12, nvlink_bytes_per_s=args.nvlink_gbps * 1e9,
                  hbm_source=HBM_SOURCE if args.hbm_tbps * 1e12 == HBM_BYTES_PER_S else "--hbm-tbps",
                  nvlink_source=NVLINK_SOURCE if args.nvlink_gbps * 1e9 == NVLINK_BYTES_PER_S else "--nvlink-gbps")
     fp8_rate, fast = rates["matmul_tflops"]["fp8"], rates["matmul_fp8_fast_accum_tflops"]
+    log(f"HBM copy {rates['hbm_copy_bytes_per_s'] / 1e12:.2f} TB/s (roofline rate {args.hbm_tbps:.2f})")
     log(f"matmul {MATMUL_N}^3: bf16 {rates['matmul_tflops']['bf16']:.1f} TFLOP/s, e4m3 "
         + (f"{fp8_rate:.1f} TFLOP/s" + (f" (fast accumulation {fast:.1f})" if fast else "")
            if fp8_rate else f"not measured ({rates.get('matmul_fp8_error', 'no torch._scaled_mm / sm89')})"))

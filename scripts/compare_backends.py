@@ -915,7 +915,8 @@ def write_markdown(report: dict, path: Path, png_name: str | None) -> None:
            if report.get("ranks_per_node") else "")
         + f", {report.get('iters', '?')} iterations, first {report.get('warmup', '?')} excluded from timing"
         + (f" (and the profiled iterations {report['profile_excluded']})" if report.get("profile_excluded") else "")
-        + f"; created {report.get('created', '?')}.",
+        + f"; created {report.get('created', '?')}."
+        + (f" Megatron flags over the config: `{' '.join(report['extra_args'])}`." if report.get("extra_args") else ""),
         "",
         "| backend | status | tokens/s/GPU | "
         + ("vs alltoall | " if has_speedup else "")

@@ -114,6 +114,23 @@ if [[ "$NGPU" -ge 1 ]]; then
   stage benchbwd && run_bench bench_bwd "$ROOT" "$BWD_BENCH_ARGS"
 fi
 
+# Hardware counters of the GEMM kernels (not in the default stages): ncu over one short bench_layer.py
+# run, the kernels whose names match NCU_KERNELS, NCU_COUNT launches; the report and its text under $OUT.
+#   PROFILE_ARGS [DeepSeek-V3 T=8192 staged bf16 and fp8 forward, 2 iterations]
+if stage profile && [[ "$NGPU" -ge 1 ]]; then
+  t0=$(date +%s)
+  PROFILE_ARGS="${PROFILE_ARGS:---shape deepseek-v3 --tokens 8192 --backends mok@forward_kernel=staged,mok@precision=fp8 --pass fwd --iters 2 --warmup 1 --skip-gate}"
+  timeout -k 10 "${PROFILE_LIMIT:-300}" ncu --clock-control none --target-processes all \
+    -k "regex:${NCU_KERNELS:-gemm|wgrad}" --launch-count "${NCU_COUNT:-6}" \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+    --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy \
+    -f -o "$OUT/ncu" torchrun --nproc-per-node=1 scripts/bench_layer.py $PROFILE_ARGS --out /tmp/mok_profile.json \
+    > "$OUT/profile.log" 2>&1
+  RESULT[profile]="rc=$? ($(elapsed $t0))"
+  ncu --import "$OUT/ncu.ncu-rep" --page details > "$OUT/ncu.txt" 2>&1
+  grep -E "^  [a-z_]+.*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|Registers Per|Stall" "$OUT/ncu.txt" | head -80
+fi
+
 # End-to-end Megatron training on one recipe (not in the default stages).
 #   E2E_CONFIG [configs/deepseek-v3-1gpu.args]  E2E_ITERS [12]  E2E_BACKENDS [mok,alltoall]  E2E_ARGS
 if stage e2e && [[ "$NGPU" -ge 1 ]]; then
@@ -128,7 +145,7 @@ fi
 
 echo
 echo "== summary ($(elapsed $T_START) total)"
-for k in build build_baseline test1 test2 baseline_fwd bench_fwd baseline_bwd bench_bwd e2e; do
+for k in build build_baseline test1 test2 baseline_fwd bench_fwd baseline_bwd bench_bwd profile e2e; do
   [[ -n "${RESULT[$k]:-}" ]] && printf '%-15s %s\n' "$k" "${RESULT[$k]}"
 done
 exit 0

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from megatron_mok import ROW_ALIGN, MoKConfig, MoKConfigError
-from megatron_mok.config import PRECISIONS, routed_capacity
+from megatron_mok.config import PRECISIONS, TILE_ROWS, routed_capacity
 
 INT_FIELDS = ("fwd_comm_sms", "bwd_comm_sms", "minibatch_rows")
 
@@ -18,13 +18,14 @@ BAD_VALUES = [
     # int knobs: wrong type (float, str, None), bool (an int subclass), zero, negative
     *[(f, v, why) for f in INT_FIELDS for v, why in (
         (24.0, "float"), ("24", "str"), (None, "None"), (True, "bool True"), (False, "bool False"),
-        (0, "zero"), (-1, "negative"), (-ROW_ALIGN, "negative multiple of ROW_ALIGN"),
+        (0, "zero"), (-1, "negative"), (-TILE_ROWS, "negative multiple of TILE_ROWS"),
     )],
     # comm SMs: out of [1, 64] (forward), [1, 132] (backward)
     ("fwd_comm_sms", 65, "above 64"), ("fwd_comm_sms", 10**9, "huge"),
     ("bwd_comm_sms", 133, "above 132"), ("bwd_comm_sms", 1000, "huge"),
-    # row counts: not a multiple of ROW_ALIGN
-    ("minibatch_rows", ROW_ALIGN - 1, "below ROW_ALIGN"), ("minibatch_rows", ROW_ALIGN + 1, "not aligned"),
+    # row counts: not a multiple of TILE_ROWS (ROW_ALIGN, a segment's alignment, is not enough)
+    ("minibatch_rows", TILE_ROWS - 1, "below TILE_ROWS"), ("minibatch_rows", TILE_ROWS + 1, "not aligned"),
+    ("minibatch_rows", ROW_ALIGN, "a segment alignment only"),
     ("minibatch_rows", 1000, "not aligned"), ("minibatch_rows", 1, "one row"),
     # capacity_factor: non-finite, zero, negative, above 1, non-numbers
     ("capacity_factor", float("nan"), "NaN"), ("capacity_factor", float("inf"), "inf"),
@@ -62,16 +63,16 @@ def test_defaults_are_valid():
     assert cfg.minibatch_rows == 4096
     assert cfg.capacity_factor == 1.0 and cfg.precision == "bf16" and cfg.peer_timeout_s == 30.0
     assert cfg.save_gate_up is True
-    assert cfg.minibatch_rows % ROW_ALIGN == 0
+    assert cfg.minibatch_rows % TILE_ROWS == 0
     assert cfg.precision in PRECISIONS
-    assert ROW_ALIGN == 128
+    assert ROW_ALIGN == 32 and TILE_ROWS % ROW_ALIGN == 0
 
 
 @pytest.mark.parametrize("changes", [
     dict(fwd_comm_sms=1, bwd_comm_sms=132),
     dict(fwd_comm_sms=64, bwd_comm_sms=1),
-    dict(minibatch_rows=ROW_ALIGN),
-    dict(minibatch_rows=3 * ROW_ALIGN),
+    dict(minibatch_rows=TILE_ROWS),
+    dict(minibatch_rows=3 * TILE_ROWS),
     dict(capacity_factor=1), dict(capacity_factor=1e-6), dict(capacity_factor=0.5),
     dict(peer_timeout_s=1), dict(peer_timeout_s=1e-3), dict(peer_timeout_s=1e9),
     dict(save_gate_up=False), dict(precision="fp8"),
@@ -142,9 +143,10 @@ def test_routed_capacity_covers_worst_case_at_capacity_factor_one():
         cap = routed_capacity(cfg, ep, tokens, topk, nle)
         worst = _max_padded_rows(ep, tokens, topk, nle)
         assert cap >= worst, (ep, tokens, topk, nle, cap, worst)
-        assert cap % ROW_ALIGN == 0
-        # ... and not absurdly larger than needed (at most one extra block per local expert + 1)
-        assert cap <= ep * tokens * min(topk, nle) + nle * ROW_ALIGN + ROW_ALIGN
+        assert cap % TILE_ROWS == 0
+        # ... and not absurdly larger than needed (at most one extra block per local expert, then
+        # the rounding to whole tiles)
+        assert cap < ep * tokens * min(topk, nle) + nle * ROW_ALIGN + TILE_ROWS
 
 
 def test_routed_capacity_is_monotone_in_capacity_factor():
@@ -154,7 +156,7 @@ def test_routed_capacity_is_monotone_in_capacity_factor():
         caps = [routed_capacity(MoKConfig(capacity_factor=cf), ep, tokens, topk, nle)
                 for cf in (1e-3, 0.1, 0.25, 0.5, 0.9, 1.0)]
         assert caps == sorted(caps)
-        assert all(c % ROW_ALIGN == 0 and c >= nle * (ROW_ALIGN - 1) for c in caps)
+        assert all(c % TILE_ROWS == 0 and c >= nle * (ROW_ALIGN - 1) for c in caps)
         # a fraction f of the worst-case rows always fits, plus the padding of every segment
         assert caps[3] >= math.ceil(0.5 * ep * tokens * min(topk, nle))
 

@@ -36,7 +36,7 @@ from megatron_mok import (
     get_workspace,
     mok_moe,
 )
-from megatron_mok.config import routed_capacity
+from megatron_mok.config import TILE_ROWS, routed_capacity
 
 T, H, I, IS = 37, 24, 20, 12  # tokens per rank, hidden, expert and shared intermediate sizes
 NLE = 3  # local experts per rank
@@ -489,12 +489,12 @@ def check_determinism(rank=0, world=1):
     base_cfg = MoKConfig()
     knob_cfgs = [
         MoKConfig(fwd_comm_sms=1, bwd_comm_sms=64),
-        MoKConfig(fwd_comm_sms=64, bwd_comm_sms=1, minibatch_rows=ROW_ALIGN),
-        MoKConfig(minibatch_rows=3 * ROW_ALIGN),
+        MoKConfig(fwd_comm_sms=64, bwd_comm_sms=1, minibatch_rows=TILE_ROWS),
+        MoKConfig(minibatch_rows=3 * TILE_ROWS),
         MoKConfig(precision="bf16", peer_timeout_s=1.0),
     ]
     problems = [("random_k2", make_problem(51, world, route_random, 2)),
-                ("skewed_k3_T200", make_problem(52, world, route_skewed, 3, tokens=200, shared=False))]
+                ("skewed_k3_T150", make_problem(52, world, route_skewed, 3, tokens=150, shared=False))]
     for name, p in problems:
         # capacity factors that do not overflow for this routing, with distinct capacities
         cfs, caps = [], set()
@@ -648,9 +648,9 @@ def check_bad_inputs(rank=0, world=1):
     valid_again("bad grad_out")
 
     # -- capacity overflow: small capacity_factor, skewed routing; every rank raises --------------
-    big_t = 300
-    small = MoKConfig(capacity_factor=0.01)
-    if world == 1:  # segments of 129 + 129 + 42 rows: 640 padded rows
+    big_t = 600
+    small = MoKConfig(capacity_factor=0.8)  # 640 rows at EP=1
+    if world == 1:  # segments of 129 + 129 + 342 rows: 672 padded rows
         route = route_fixed(lambda n: [0])
         q = make_problem(64, 1, route, 1, tokens=big_t, shared=False)
         q.top[0, 129:258, 0] = 1
@@ -664,7 +664,9 @@ def check_bad_inputs(rank=0, world=1):
     assert str(_needed_rows(q)) in str(err)
     # the same (cached) small workspace still works for a routing that fits, with the same bits as 1.0
     fits = make_problem(65, world, route_fixed(lambda n: [0]), 1, tokens=big_t, shared=False)
-    fits.top = (torch.arange(world * big_t).view(world, big_t, 1) % e_all)  # 100 rows per expert
+    fits.top = (torch.arange(world * big_t).view(world, big_t, 1) % e_all)  # 200 rows per expert
+    if world == 1:  # 192 + 192 + 216 rows: 608 padded rows
+        fits.top = torch.tensor([0] * 192 + [1] * 192 + [2] * 216).view(1, big_t, 1)
     assert _needed_rows(fits) <= routed_capacity(small, world, big_t, 1, NLE)
     assert_bitwise("small capacity factor, fitting routing", call(fits.local(rank, dtype), cfg=small),
                    call(fits.local(rank, dtype)))

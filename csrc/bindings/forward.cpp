@@ -130,7 +130,7 @@ void megakernel(const Tensor& x, const Tensor& fc1, const Tensor& fc2, const std
     check_cuda(*h, "h", at::kBFloat16);
     TORCH_CHECK(h->dim() == 2 && h->size(0) == cap && h->size(1) == 2 * I, "megatron_mok: h [cap, 2I]");
   }
-  TORCH_CHECK(counters.numel() >= mok::megakernel_counter_ints(static_cast<int>(cap), static_cast<int>(T)),
+  TORCH_CHECK(counters.numel() >= mok::megakernel_counter_ints(static_cast<int>(cap), static_cast<int>(T), static_cast<int>(nle)),
               "megatron_mok: megakernel counters too small");
   TORCH_CHECK(shared_fc1.has_value() == shared_fc2.has_value(), "megatron_mok: shared_fc1 / shared_fc2 go together");
   int64_t Is = 0;

@@ -11,7 +11,8 @@
 //
 // Shape names: T tokens of this rank, k experts per token (top-k), H the hidden size, I / Is the
 // routed / shared experts' intermediate size, ep the expert-parallel group size, nle the number of
-// local experts (this rank's), capacity the routed rows this rank can hold (a multiple of 128).
+// local experts (this rank's), capacity the routed rows this rank can hold (a multiple of 128; each
+// local expert's segment of it starts at a multiple of 32, kRowAlign).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -142,8 +143,9 @@ const char* launch_epilogue(const void* comb, const float* probs, const void* sh
 // ---- gemm/: the grouped GEMMs ---------------------------------------------------------------
 
 // Grouped GEMM out[r, :] = A[r, :] @ B[seg(r)]^T (bf16 in, fp32 accumulate, bf16 out), wgmma + TMA,
-// warp-specialised, persistent. Segments: seg_offsets [nseg + 1] on the device (128-aligned,
-// rows >= min(seg_offsets[nseg], a_rows) are not computed) or, when seg_offsets is null, one
+// warp-specialised, persistent. Segments: seg_offsets [nseg + 1] on the device (without seg_counts
+// 128-aligned: a token-major tile never straddles two segments; with seg_counts 16-aligned; rows
+// >= min(seg_offsets[nseg], a_rows) are not computed) or, when seg_offsets is null, one
 // segment of a_rows rows. seg_counts [nseg] (optional): real rows of each segment; the rest of a
 // segment must be zero rows of A (their outputs are written as zeros without computing them).
 // B is [nseg * b_rows_per_seg, K]. swiglu: B rows of a segment are [gate (N); up (N)] and
@@ -333,7 +335,7 @@ struct MegaArgs {
 };
 
 // int32 counters the megakernel needs (MegaArgs::counters).
-int64_t megakernel_counter_ints(int capacity, int T);
+int64_t megakernel_counter_ints(int capacity, int T, int nle);
 
 // One launch: pull-dispatch, shared expert, routed gate/up (+SwiGLU) and down GEMMs, push-combine
 // into the source ranks' slots, and the opening half of the closing barrier (launch_epilogue with

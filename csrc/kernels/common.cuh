@@ -29,7 +29,10 @@ enum ErrorCode : int {
   kErrHeaderValue = 7,     // that peer's value of that word
 };
 
-constexpr int kRowAlign = 128;  // megatron_mok.config.ROW_ALIGN
+// Expert segments of the routed rows start at multiples of kRowAlign (megatron_mok.config.ROW_ALIGN:
+// the e4m3 weight gradients' 32-token groups); capacities are multiples of kTileRows (TILE_ROWS).
+constexpr int kRowAlign = 32;
+constexpr int kTileRows = 128;
 
 // ---- small utilities ------------------------------------------------------------------------
 

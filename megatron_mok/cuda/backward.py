@@ -116,10 +116,9 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx: KernelCo
         h = experts.recompute_gate_up(dispatch.rows_bf16(rows, sched), fc1, sched)
 
     # 1. publish grad_out and probs, barrier
-    gbuf, g_ptrs = c.buffer("bwd_grad", (T, H), torch.bfloat16)
-    pbuf, p_ptrs = c.buffer("bwd_probs", (T, k), torch.float32)
-    slots, slot_ptrs = c.buffer("bwd_dx_slots", (T * k, H), torch.bfloat16)
-    dwbuf, dw_ptrs = c.buffer("bwd_dprobs_slots", (T * k,), torch.float32)
+    bufs = c.call_buffers("backward", cfg)  # the call's symmetric buffers (comm.CALL_BUFFERS)
+    (gbuf, g_ptrs), (pbuf, p_ptrs) = bufs["bwd_grad"], bufs["bwd_probs"]
+    (slots, slot_ptrs), (dwbuf, dw_ptrs) = bufs["bwd_dx_slots"], bufs["bwd_dprobs_slots"]
     header = call_header(num_tokens=grad_out.shape[0], hidden=grad_out.shape[1], topk=probs.shape[1],
                          num_experts=ws.num_experts, capacity=cap, dtype=grad_out.dtype, cfg=cfg, ep_size=ws.ep_size)
     ws.call_headers[1] = header

@@ -7,8 +7,6 @@ router weights in ``ws.errors``.
 
 from __future__ import annotations
 
-import torch
-
 from .. import ops
 from ..config import MoKConfig
 from ..schedule import MoKSchedule
@@ -17,8 +15,9 @@ from .comm import comm
 
 
 def combine_buffer(ws: MoKWorkspace):
-    """(this rank's [T * k, H] slot buffer, every rank's address of it)."""
-    return comm(ws).buffer("comb", (ws.num_tokens * ws.topk, ws.hidden), torch.bfloat16)
+    """(this rank's [T * k, H] slot buffer, every rank's address of it; made by the forward's buffer
+    set, comm.CALL_BUFFERS)."""
+    return comm(ws).buffer("comb")
 
 
 def push_rows(ws: MoKWorkspace, sched: MoKSchedule, y_routed, comb_ptrs: list[int], comm_ctas: int = 0) -> None:

@@ -16,7 +16,7 @@ from .. import fp8, ops
 from ..config import MoKConfig
 from ..schedule import MoKSchedule
 from ..workspace import MoKWorkspace
-from .comm import comm
+from .comm import comm, x_scale_pitch
 
 
 def publish_bf16(cfg: MoKConfig, ws: MoKWorkspace, x: torch.Tensor, sched: MoKSchedule | None = None) -> list[int]:
@@ -24,7 +24,7 @@ def publish_bf16(cfg: MoKConfig, ws: MoKWorkspace, x: torch.Tensor, sched: MoKSc
     sched: the call's schedule, which the barrier empties if this rank is stopped (a peer rejected
     its input, or a header mismatch): then no later kernel moves a row."""
     c = comm(ws)
-    xs, x_ptrs = c.buffer("x", (ws.num_tokens, ws.hidden), torch.bfloat16)
+    xs, x_ptrs = c.buffer("x")
     xs.copy_(x)
     ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s, schedule=sched)
     return x_ptrs
@@ -39,12 +39,9 @@ def dispatch_bf16(ws: MoKWorkspace, sched: MoKSchedule, x_ptrs: list[int], comm_
 
 def _x_e4m3_buffers(ws: MoKWorkspace):
     """This rank's rows as ``publish_e4m3`` quantizes them: the symmetric e4m3 row and scale-row
-    buffers ((tensor, peer addresses) each) and the scale pitch in floats."""
+    buffers ((tensor, peer addresses) each; comm.py: buffer_spec) and the scale pitch in floats."""
     c = comm(ws)
-    T, H = ws.num_tokens, ws.hidden
-    pitch = -(-(H // fp8.BLOCK) // 4) * 4  # whole 16-byte row pieces for the row copies
-    # the row copies move bf16 pairs: e4m3 bytes and fp32 scales ride as bf16-typed rows
-    return c.buffer("x_e4m3", (T, H // 2), torch.bfloat16), c.buffer("x_scale", (T, 2 * pitch), torch.bfloat16), pitch
+    return c.buffer("x_e4m3"), c.buffer("x_scale"), x_scale_pitch(ws.hidden)
 
 
 def publish_e4m3(cfg: MoKConfig, ws: MoKWorkspace, x: torch.Tensor, sched: MoKSchedule | None = None):

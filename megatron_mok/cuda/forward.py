@@ -110,7 +110,7 @@ def _forward_persistent(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_f
     x = x.contiguous()
     if x.data_ptr() % 16:
         x = x.clone()
-    xs, x_ptrs = c.buffer("x", (T, H), torch.bfloat16)
+    xs, x_ptrs = c.buffer("x")
     ops.publish_barrier(x, xs, c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s, schedule=sched)
     x_routed = torch.empty((cap, H), **bf16)
     act = torch.empty((cap, I), **bf16)
@@ -127,7 +127,7 @@ def _forward_persistent(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_f
         row_src_rank=sched.row_src_rank, row_src_slot=sched.row_src_slot, expert_counts=sched.expert_counts,
         expert_offsets=sched.expert_offsets, x_routed=x_routed, act=act, h=h, y_routed=y_routed,
         shared_act=shared_act, shared_h=shared_h, shared_y=shared_y,
-        counters=c.counters(ops.megakernel_counter_ints(cap, T)), state=c.state, errors=ws.errors,
+        counters=c.counters(ops.megakernel_counter_ints(cap, T, fc1.shape[0])), state=c.state, errors=ws.errors,
         peer_x=x_ptrs, peer_comb=comb_ptrs, peer_flags=c.flag_ptrs, rank=ws.rank, topk=ws.topk,
         num_comm=comm_ctas if comm_ctas > 0 else cfg.fwd_comm_sms, num_compute=gemm_ctas,
         minibatch_rows=cfg.minibatch_rows, timeout_s=min(cfg.peer_timeout_s, KERNEL_WATCHDOG_S))
@@ -149,6 +149,7 @@ def forward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, probs, fc1,
     (``fp8_weights`` from ``quantize_expert_weights``, else quantized in this call); the context
     and the output stay bf16. Every rank of the group must run the same composition.
     """
+    comm(ws).call_buffers("forward", cfg)  # all its symmetric buffers first (created on the first forward)
     if cfg.resolved_forward_kernel(ws.ep_size) == "persistent":
         return _forward_persistent(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, out, gemm_ctas,
                                    comm_ctas)
@@ -160,6 +161,7 @@ def recompute_forward_context(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedu
                               *, fp8_weights=None) -> KernelContext:
     """Dispatch and the gate/up GEMMs again (activation checkpointing): the context the forward
     would have kept (with the gate/up pre-activations: it is made for the backward that follows)."""
+    comm(ws).call_buffers("recompute_forward_context", cfg)
     h, _ = _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, keep_gate_up=True, fp8_weights=fp8_weights, down=False)
     ctx = KernelContext(h)
     if shared_fc1 is not None:

@@ -27,7 +27,8 @@ routed rows, balanced routing):
   context, the gate/up outputs h [cap, 2I] only (none with --mok-recompute-gate-up; the rows are
   dispatched again, SwiGLU and the router-weight gradient come from the down dgrad's epilogue;
   docs/DESIGN.md), with cap = the routed-row capacity (--mok-capacity-factor x
-  EP*T*min(topk, local experts) + 127 rows a local expert, rounded up to 128), and its fused
+  EP*T*min(topk, local experts) + 31 rows a local expert, rounded up to 128:
+  megatron_mok.config.routed_capacity), and its fused
   shared expert's gate/up outputs T*2Is;
   everything but the layer input is 0 with 'moe' recompute
   mok workspace (once per rank): symmetric x [T, h] and combine [T*topk, h] buffers
@@ -38,10 +39,12 @@ The numbers are estimates (the real allocator adds fragmentation; routing imbala
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from megatron_mok.config import MoKConfig, routed_capacity  # noqa: E402
 
 GIB = 2**30
 
@@ -249,10 +252,8 @@ class Model:
         return b
 
     def mok_capacity(self) -> int:
-        T = self.seq * self.mbs / self.tp
-        nle = self.E // self.ep
-        rows = math.ceil(self.capacity_factor * self.ep * T * min(self.k, nle)) + nle * 127
-        return -(-rows // 128) * 128
+        T = self.seq * self.mbs // self.tp
+        return routed_capacity(MoKConfig(capacity_factor=self.capacity_factor), self.ep, T, self.k, self.E // self.ep)
 
     def act_stage(self, stage: str, first_layer: int) -> float:
         T = self.seq * self.mbs / self.tp

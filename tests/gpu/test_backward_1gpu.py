@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_mok import MoKConfig, create_workspace
+from megatron_mok import ROW_ALIGN, MoKConfig, create_workspace
 from megatron_mok.cuda.context import saved_bytes
 from megatron_mok.schedule import build_schedule_reference
 
@@ -143,8 +143,8 @@ def test_expert_dgrad_rejects_bad_shapes():
 @pytest.mark.parametrize("M,N", [(128, 256), (200, 264), (72, 520)])
 def test_expert_wgrad_matches_matmul(M, N):
     """out[e] = a[rows of e]^T @ b[rows of e] with a in 16-row segments and b in a
-    padded one (128-row segments): experts with 0, 1, 15, 17, 255-257 and 700 rows, M and N off the
-    tile; against fp64, empty experts exactly zero, NaN rows past an expert's 16-row bound never
+    padded one (ROW_ALIGN-row segments, as the schedule makes them): experts with 0, 1, 15, 17,
+    255-257 and 700 rows, M and N off the tile; against fp64, empty experts exactly zero, NaN rows past an expert's 16-row bound never
     read (a's tail past the last segment, b's padding), bits independent of the CTA count."""
     from megatron_mok import ops
 
@@ -153,7 +153,7 @@ def test_expert_wgrad_matches_matmul(M, N):
     aoffs, boffs = [0], [0]
     for c in counts:
         aoffs.append(aoffs[-1] + (c + 15) // 16 * 16)
-        boffs.append(boffs[-1] + (c + 127) // 128 * 128)
+        boffs.append(boffs[-1] + -(-c // ROW_ALIGN) * ROW_ALIGN)
     a = torch.full((aoffs[-1] + 48, M), float("nan"))  # NaN past the last segment
     b = torch.full((boffs[-1] + 64, N), float("nan"))
     for e, c in enumerate(counts):

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_mok import MoKConfig, fp8, functional
+from megatron_mok import ROW_ALIGN, MoKConfig, fp8, functional
 from megatron_mok.schedule import build_schedule_reference
 
 from ._bwd import assert_bitwise, check_close, fp8_reference_grads, grads_list
@@ -134,7 +134,7 @@ def test_quantize_rows_gate_up_pairs_bits():
 
 
 def _segments(counts, K, gen):
-    padded = [(c + 127) // 128 * 128 for c in counts]
+    padded = [-(-c // ROW_ALIGN) * ROW_ALIGN for c in counts]  # the schedule's segments
     offs = [0]
     for p in padded:
         offs.append(offs[-1] + p)
@@ -410,8 +410,8 @@ def test_fp8_forward_matches_fp8_reference(kind, shape):
 
 
 # experts of the weight-gradient tests: none, under/at/over the 32-row MMA groups and 128-row
-# stages, long token sums (the tensor cores sum a whole expert); segments padded to 128 rows (the
-# backward's layout)
+# stages, long token sums (the tensor cores sum a whole expert); segments padded to ROW_ALIGN rows
+# (the backward's layout)
 WGRAD_COUNTS = [0, 1, 31, 32, 33, 127, 128, 129, 300, 0, 700, 2500]
 
 
@@ -420,7 +420,7 @@ def _padded_rows(counts, C, gen, scale_by_row: bool = False):
     and its int32 offsets/counts on the device."""
     offs = [0]
     for c in counts:
-        offs.append(offs[-1] + -(-c // 128) * 128)
+        offs.append(offs[-1] + -(-c // ROW_ALIGN) * ROW_ALIGN)
     x = torch.full((offs[-1] + 64, C), float("nan"))
     for e, c in enumerate(counts):
         v = torch.randn(c, C, generator=gen) * torch.rand(1, C, generator=gen) * 8
@@ -435,12 +435,12 @@ def _padded_rows(counts, C, gen, scale_by_row: bool = False):
 
 def _check_columns(q_t, scale, src, offs, counts, what):
     """q_t [C, ld] / scale [nseg, C] against fp8.quantize_columns of each expert's rows of src
-    (fp32 values): the same bytes and scales, zeros up to the count rounded to 128."""
+    (fp32 values): the same bytes and scales, zeros from the count to the segment's end."""
     for e, c in enumerate(counts):
         q_ref, s_ref = fp8.quantize_columns(src[offs[e]:offs[e] + c])
         assert torch.equal(scale[e].cpu(), s_ref), f"{what}: expert {e} scales differ"
         assert torch.equal(_u8(q_t[:, offs[e]:offs[e] + c]).t().cpu(), _u8(q_ref)), f"{what}: expert {e} bytes differ"
-        pad = _u8(q_t[:, offs[e] + c:offs[e] + -(-c // 128) * 128])
+        pad = _u8(q_t[:, offs[e] + c:offs[e + 1]])
         assert bool((pad == 0).all()), f"{what}: expert {e}'s rows past its count are not zeros"
 
 

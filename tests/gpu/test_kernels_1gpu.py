@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_mok import MoKCapacityError, MoKConfig, MoKInputError, create_workspace
+from megatron_mok import ROW_ALIGN, MoKCapacityError, MoKConfig, MoKInputError, create_workspace
 from megatron_mok.schedule import build_schedule_reference
 
 from ._util import (SHAPES, bits, check_forward_bitwise_repeats, check_forward_graph_equals_eager,
@@ -71,7 +71,7 @@ def test_grouped_gemm_matches_matmul(swiglu, K, N):
 
 def _expert_case(K, N, swiglu, counts, seed):
     gen = torch.Generator().manual_seed(seed)
-    padded = [(c + 127) // 128 * 128 for c in counts]
+    padded = [-(-c // ROW_ALIGN) * ROW_ALIGN for c in counts]  # the schedule's segments
     offs = [0]
     for p in padded:
         offs.append(offs[-1] + p)
@@ -347,7 +347,7 @@ def test_cuda_graph_matches_eager(forward_kernel):
 
 
 def test_capacity_overflow_raises():
-    shape = (4096, 256, 128, 0, 16, 2)  # experts 0, 1 need 8192 rows; capacity 2560
+    shape = (4096, 256, 128, 0, 16, 2)  # experts 0, 1 need 8192 rows; capacity 1024
     cfg, ws, top, (x, probs, fc1, fc2, _, _), _ = make_case(shape, "one_expert", 2, DEV,
                                                             cfg=MoKConfig(capacity_factor=0.05))
     sched = _kp().build_schedule(cfg, ws, top)

@@ -97,7 +97,7 @@ __host__ __device__ constexpr int chunks_of(int rows) { return (rows + kChunk - 
 
 // Real rows of expert e that its segment holds (after a capacity overflow, which the schedule
 // flags, the counts exceed the clipped segments: tasks stay inside them, and the chunk count stays
-// <= the 128-row blocks, which bounds the megakernel's per-chunk counters).
+// <= nle + capacity / 256, which bounds the megakernel's per-chunk counters).
 __device__ __forceinline__ int seg_rows(const Params& p, int e) {
   return segment_rows(p.seg_counts, p.seg_offsets, e);
 }

@@ -63,8 +63,9 @@ using persistent::kUnitRows;       // rows a dispatching warp copies before it s
 using persistent::kUnitsPerTile;
 constexpr int kCopyUnroll = tuning::kDispatchCopyUnroll;  // 16-byte loads in flight per lane
 
-// Counter buffer: header (persistent.cuh), then ready[max_mtiles], up_done[max_mtiles],
-// sup_done[ceil(T / BM)].
+// Counter buffer: header (persistent.cuh), then ready[max_mtiles], up_done[max_chunks],
+// sup_done[ceil(T / BM)]. Segments start at multiples of kRowAlign (32), so a 128-row m-tile may
+// hold several experts and the chunks are bounded by nle + capacity / 256, not by the m-tiles.
 enum Kind : int { kSharedUp = 0, kSharedDown = 1, kRoutedUp = 2, kRoutedDown = 3 };
 
 struct TMaps {
@@ -78,7 +79,8 @@ struct Params {
   int shared_mtiles;  // 0: no shared expert
   int mb_chunks;      // routed token chunks per minibatch
   int num_comm;
-  int max_mtiles;     // capacity / BM
+  int max_mtiles;     // capacity / BM (capacity: a multiple of kTileRows = BM)
+  int max_chunks;     // nle + capacity / kMaxTok: routed token chunks at most
   int n_counters;
   int capacity, nle, H, k, rank;
   const int* row_src_rank;
@@ -106,11 +108,15 @@ struct Task {
 __device__ __forceinline__ int* ready_ctr(const Params& p, int m) { return p.counters + kHeader + m; }
 __device__ __forceinline__ int* up_done_ctr(const Params& p, int m) { return p.counters + kHeader + p.max_mtiles + m; }
 __device__ __forceinline__ int* sup_done_ctr(const Params& p, int m) {
-  return p.counters + kHeader + 2 * p.max_mtiles + m;
+  return p.counters + kHeader + p.max_mtiles + p.max_chunks + m;
 }
 
-// Routed rows that exist this launch (device value; a multiple of BM).
-__device__ __forceinline__ int routed_rows(const Params& p) { return min(p.expert_offsets[p.nle], p.capacity); }
+// Rows the dispatch writes this launch (device value): the routed rows rounded up to whole m-tiles
+// (<= capacity, a multiple of BM), so every m-tile a task reads reaches its ready target; rows past
+// the last segment have no source and are zero-filled.
+__device__ __forceinline__ int dispatched_rows(const Params& p) {
+  return (min(p.expert_offsets[p.nle], p.capacity) + BM - 1) / BM * BM;
+}
 
 // Units of a routed kind in a minibatch of `count` chunks: its tasks.
 __device__ __forceinline__ int routed_units(const Params& p, int kind, int count) {
@@ -167,7 +173,7 @@ __device__ __forceinline__ xgemm::Task routed_task(const Params& p, const int* p
 // Warp-granular units of kUnitRows rows, in increasing order over all dispatching warps, so the
 // first m-tiles become ready first. Padding rows (src < 0) are zero-filled, as in dispatch.cu.
 __device__ void dispatch_rows(const Params& p, int role) {
-  const int rows = routed_rows(p);
+  const int rows = dispatched_rows(p);
   const int units = rows / kUnitRows;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row_bytes = 2 * p.H;
@@ -394,15 +400,18 @@ void set_megakernel_timeline(long long* records, int64_t num_records) {
   g_timeline_tasks = records != nullptr ? static_cast<int>(std::max<int64_t>(0, num_records - kMaxTimelineRoles)) : 0;
 }
 
-int64_t megakernel_counter_ints(int capacity, int T) {
-  return kHeader + static_cast<int64_t>(capacity / BM) * 2 + ceil_div(T, BM);
+// Chunks of routed rows: sum_e ceil(rows_e / 256) <= nle + capacity / 256.
+static int max_routed_chunks(int capacity, int nle) { return nle + capacity / xgemm::kMaxTok; }
+
+int64_t megakernel_counter_ints(int capacity, int T, int nle) {
+  return kHeader + static_cast<int64_t>(capacity / BM) + max_routed_chunks(capacity, nle) + ceil_div(T, BM);
 }
 
 const char* launch_megakernel(const MegaArgs& a, cudaStream_t stream) {
   const bool shared = a.shared_fc1 != nullptr;
   if (a.T <= 0 || a.H <= 0 || a.I <= 0 || (shared && a.Is <= 0)) return "mok megakernel: empty shapes";
   if (a.H % 8 || a.I % 8 || (shared && a.Is % 8)) return "mok megakernel: H, I and Is must be multiples of 8";
-  if (a.capacity % BM || a.minibatch_rows <= 0 || a.minibatch_rows % BM)
+  if (a.capacity % kTileRows || a.minibatch_rows <= 0 || a.minibatch_rows % kTileRows)
     return "mok megakernel: capacity and minibatch_rows must be multiples of 128";
   if (a.ep < 1 || a.ep > kMaxPeers || a.rank < 0 || a.rank >= a.ep) return "mok megakernel: bad rank / EP size";
   if (a.num_comm < 1) return "mok megakernel: needs at least one dispatching CTA";
@@ -437,7 +446,8 @@ const char* launch_megakernel(const MegaArgs& a, cudaStream_t stream) {
   p.mb_chunks = std::max(1, a.minibatch_rows / xgemm::kMaxTok);
   p.num_comm = a.num_comm;
   p.max_mtiles = cap / BM;
-  p.n_counters = static_cast<int>(megakernel_counter_ints(cap, T));
+  p.max_chunks = max_routed_chunks(cap, a.nle);
+  p.n_counters = static_cast<int>(megakernel_counter_ints(cap, T, a.nle));
   p.capacity = cap;
   p.nle = a.nle;
   p.H = H;
