@@ -215,9 +215,9 @@ def _symmetric_buffers(cfg: MoKConfig, ws: MoKWorkspace, call: str) -> None:
 def _raise_if_stopped(ws: MoKWorkspace, others) -> None:
     """Raise the verdict or header mismatch that stopped this rank, on ``ws`` or on another
     workspace of its group (``others``; the peer that rejected may have done so in another layer's)."""
+    if ws.errors.is_cuda:
+        torch.cuda.synchronize(ws.device)  # every barrier launched so far has seen what it will
     for w in [ws, *(o for o in others if o is not ws and o.group is ws.group and o.device == ws.device)]:
-        if w.errors.is_cuda:
-            torch.cuda.synchronize(w.device)  # every barrier launched so far has seen what it will
         if int(w.errors[ErrorCode.HEADER_MISMATCH]):
             w.check_errors(blocking=True)
 

@@ -91,9 +91,11 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx: KernelCo
     ``ctx`` None: the forward context is recomputed here. ``comm_ctas``: CTAs of the pull and push
     kernels (0: ``4 * cfg.bwd_comm_sms``); no bit changes.
     """
+    c = comm(ws)
+    # the call's symmetric buffers (comm.CALL_BUFFERS), all before the recompute's first barrier
+    bufs = c.call_buffers("backward", cfg)
     if ctx is None:
         ctx = recompute_forward_context(cfg, ws, sched, x, fc1, fc2, shared_fc1, fp8_weights=fp8_weights)
-    c = comm(ws)
     T, H, k, cap = ws.num_tokens, ws.hidden, ws.topk, sched.capacity
     I = fc1.shape[1] // 2
     nle = sched.expert_counts.numel()
@@ -116,7 +118,6 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx: KernelCo
         h = experts.recompute_gate_up(dispatch.rows_bf16(rows, sched), fc1, sched)
 
     # 1. publish grad_out and probs, barrier
-    bufs = c.call_buffers("backward", cfg)  # the call's symmetric buffers (comm.CALL_BUFFERS)
     (gbuf, g_ptrs), (pbuf, p_ptrs) = bufs["bwd_grad"], bufs["bwd_probs"]
     (slots, slot_ptrs), (dwbuf, dw_ptrs) = bufs["bwd_dx_slots"], bufs["bwd_dprobs_slots"]
     header = call_header(num_tokens=grad_out.shape[0], hidden=grad_out.shape[1], topk=probs.shape[1],
