@@ -9,8 +9,10 @@ namespace {
 
 // The expert-major routed GEMM (expert_gemm.cuh): persistent CTAs walk the tasks round-robin.
 // kWMN: the backward's dgrad, weights [K, M] per expert (MN-major A); with bw.h, the SwiGLU
-// backward is fused into its epilogue (out = dh).
-template <bool kSwiGLU, bool kWMN = false>
+// backward is fused into its epilogue (out = dh). kPaired (an even weight-block count): 2-CTA
+// clusters walk the pair units (xgemm::decode_pair), the cluster's CTAs running two weight blocks of
+// one chunk and sharing its token boxes by multicast; the same tasks, so the same bits.
+template <bool kSwiGLU, bool kWMN, bool kPaired>
 __global__ void __launch_bounds__(xgemm::kThreads, 1)
     expert_gemm_kernel(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
                        xgemm::Params p, const xgemm::SwiGLUBwd bw) {
@@ -18,9 +20,14 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
   __shared__ int chunk_prefix[xgemm::kMaxSeg + 1];  // static: addressed as shared (32-bit), no spill
   const xgemm::Smem sm = xgemm::carve_smem(smem_raw);
   if (threadIdx.x < 32) xgemm::build_chunk_prefix(p, chunk_prefix);
-  gemm::init_ring_barriers(sm, xgemm::kStages);
-  __syncthreads();
-  const int tasks = xgemm::num_tasks(p, chunk_prefix);
+  gemm::init_ring_barriers_and_sync<kPaired>(sm, xgemm::kStages);
+  // paired: unit u is tasks 2 u, 2 u + 1, this CTA the one of its cluster rank (blockIdx.x % 2)
+  const int units = xgemm::num_tasks(p, chunk_prefix) / (kPaired ? 2 : 1);
+  const int first = kPaired ? blockIdx.x / 2 : blockIdx.x, stride = kPaired ? gridDim.x / 2 : gridDim.x;
+  const auto task = [&](int u) {
+    return kPaired ? xgemm::decode_pair(p, chunk_prefix, 2 * u + static_cast<int>(blockIdx.x % 2))
+                   : xgemm::decode(p, chunk_prefix, u);
+  };
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     setmaxnreg_dec<tuning::kProducerRegs>();
@@ -28,35 +35,42 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
       tma_prefetch_desc(&tmW);
       tma_prefetch_desc(&tmX);
       uint32_t it = 0;
-      for (int u = blockIdx.x; u < tasks; u += gridDim.x)
-        xgemm::produce_task<kSwiGLU, false, kWMN>(p, &tmW, &tmX, sm, xgemm::decode(p, chunk_prefix, u), it);
+      for (int u = first; u < units; u += stride)
+        xgemm::produce_task<kSwiGLU, false, kWMN, kPaired>(p, &tmW, &tmX, sm, task(u), it);
     }
   } else {
     setmaxnreg_inc<tuning::kConsumerRegs>();
     const int cw = wg - 1;
     float acc[128];
     uint32_t it = 0;
-    for (int u = blockIdx.x; u < tasks; u += gridDim.x) {
+    for (int u = first; u < units; u += stride) {
       // decoded twice: keeping the task live through the main loop costs registers (spills)
-      xgemm::mma_task_any<false, kWMN>(p, sm, cw, acc, it, xgemm::decode(p, chunk_prefix, u).n_tok);
+      xgemm::mma_task_any<false, kWMN, kPaired>(p, sm, cw, acc, it, task(u).n_tok);
       if (kWMN && bw.h != nullptr)
-        xgemm::store_task_swiglu_bwd(p, sm, xgemm::decode(p, chunk_prefix, u), cw, acc, bw);
+        xgemm::store_task_swiglu_bwd(p, sm, task(u), cw, acc, bw);
       else
-        xgemm::store_task<kSwiGLU>(p, sm, xgemm::decode(p, chunk_prefix, u), cw, acc);
+        xgemm::store_task<kSwiGLU>(p, sm, task(u), cw, acc);
     }
   }
+  // paired: no CTA leaves while its peer may still multicast into it or arrive on its barriers
+  if constexpr (kPaired) cluster_sync();
 }
 
-template <class Kernel>
-const char* launch_expert_kernel(Kernel kernel, const CUtensorMap& tmW, const CUtensorMap& tmX, const xgemm::Params& p,
+// Launches expert_gemm_kernel<kSwiGLU, kWMN, paired>, paired when the weight-block count is even.
+template <bool kSwiGLU, bool kWMN>
+const char* launch_expert_kernel(const CUtensorMap& tmW, const CUtensorMap& tmX, const xgemm::Params& p,
                                  const xgemm::SwiGLUBwd& bw, int num_ctas, cudaStream_t stream) {
-  cudaLaunchConfig_t cfg = launch_config(xgemm::kThreads, xgemm::kSmemBytes, stream, false, nullptr);
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, xgemm::kSmemBytes) != cudaSuccess)
-    return "mok grouped_gemm: cannot raise the shared-memory limit of the expert-major GEMM";
-  // an upper bound of the task count (the real one is on the device)
-  const int64_t max_tasks = ((int64_t)p.nseg + p.a_rows / xgemm::kMaxTok + 1) * p.n_blocks;
-  const int ctas = num_ctas > 0 ? num_ctas : num_sms();
-  cfg.gridDim = dim3(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ctas, max_tasks))));
+  const bool paired = p.n_blocks % 2 == 0;
+  const auto kernel = paired ? expert_gemm_kernel<kSwiGLU, kWMN, true> : expert_gemm_kernel<kSwiGLU, kWMN, false>;
+  cudaLaunchAttribute cluster;
+  cudaLaunchConfig_t cfg = launch_config(xgemm::kThreads, xgemm::kSmemBytes, stream, paired, &cluster);
+  // CTAs (paired: clusters) the launch can run at once
+  const int at_once = units_at_once(kernel, cfg, paired);
+  if (at_once == 0) return "mok grouped_gemm: cannot raise the shared-memory limit of the expert-major GEMM";
+  // an upper bound of the unit count (the real one is on the device)
+  const int64_t max_units = ((int64_t)p.nseg + p.a_rows / xgemm::kMaxTok + 1) * (paired ? p.n_blocks / 2 : p.n_blocks);
+  const int64_t units = num_ctas > 0 ? (paired ? num_ctas / 2 : num_ctas) : at_once;
+  cfg.gridDim = dim3(static_cast<unsigned>((paired ? 2 : 1) * std::max<int64_t>(1, std::min<int64_t>(units, max_units))));
   return launch_ex(cfg, kernel, tmW, tmX, p, bw);
 }
 
@@ -74,8 +88,8 @@ const char* launch_expert_gemm(bool swiglu, const void* A, int64_t a_rows, int K
     return m;
   }
   const xgemm::Params p = xgemm::make_params(seg_offsets, seg_counts, nseg, static_cast<int>(a_rows), K, N, swiglu, out, pre_out);
-  return launch_expert_kernel(swiglu ? expert_gemm_kernel<true> : expert_gemm_kernel<false>, tmW, tmX, p,
-                              xgemm::SwiGLUBwd{}, num_ctas, stream);
+  return swiglu ? launch_expert_kernel<true, false>(tmW, tmX, p, xgemm::SwiGLUBwd{}, num_ctas, stream)
+                : launch_expert_kernel<false, false>(tmW, tmX, p, xgemm::SwiGLUBwd{}, num_ctas, stream);
 }
 
 const char* launch_expert_dgrad(const void* dy, int64_t rows, int K, const void* w, int M, int nseg,
@@ -94,8 +108,7 @@ const char* launch_expert_dgrad(const void* dy, int64_t rows, int K, const void*
   if (const char* m = make_tmap_bf16_2d(&tmW, w, (uint64_t)nseg * K, M, M, xgemm::WM / 2)) return m;
   const xgemm::Params p = xgemm::make_params(seg_offsets, seg_counts, nseg, static_cast<int>(rows), K, M, false, out,
                                              nullptr);
-  return launch_expert_kernel(expert_gemm_kernel<false, true>, tmW, tmX, p, xgemm::swiglu_bwd_of(bwd), num_ctas,
-                              stream);
+  return launch_expert_kernel<false, true>(tmW, tmX, p, xgemm::swiglu_bwd_of(bwd), num_ctas, stream);
 }
 
 }  // namespace mok

@@ -13,7 +13,7 @@ using xgemm8::Epilogue;
 
 // The gate/up GEMM (SwiGLU epilogue) on column tasks of <= 256 token rows: persistent CTAs claim
 // the expert-major tasks (expert_gemm_kernel's order; gemm::claim_task, xgemm::TaskRing). kPaired
-// (an even weight-block count): 2-CTA clusters claim units P in xgemm8::decode_pair's order, so the
+// (an even weight-block count): 2-CTA clusters claim units P in xgemm::decode_pair's order, so the
 // cluster's CTAs (tasks 2 P, 2 P + 1) run two weight blocks of one chunk and share its token boxes
 // by multicast.
 template <bool kPaired>
@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
             sm.tail().task_ring(),
             [&](uint32_t j) { return gemm::claim_task<kPaired>(p.tickets, j, units, sm.tail().mailbox()); },
             [&](int u, xgemm::Task* t, bool*) {
-              *t = kPaired ? xgemm8::decode_pair(p.g, chunk_prefix, 2 * u + static_cast<int>(cluster_ctarank()))
+              *t = kPaired ? xgemm::decode_pair(p.g, chunk_prefix, 2 * u + static_cast<int>(cluster_ctarank()))
                            : xgemm::decode(p.g, chunk_prefix, u);
             });
       },

@@ -129,19 +129,6 @@ __device__ __forceinline__ void produce_task(const xgemm::Params& g, const CUten
   }
 }
 
-// Pair tasks (the gate/up GEMM with an even weight-block count): the two CTAs of a cluster run
-// weight blocks 2 j and 2 j + 1 against one chunk of <= 256 token rows, whose boxes they load half
-// each and multicast, so a CTA pulls 16 KB of weights and 16 KB of tokens from L2 per stage, not
-// 16 + 32 (ncu: unpaired, the column and row tasks of the routed gate/up keep L2 84-91% busy).
-// Task u (< num_tasks; an even block count): expert-major, then chunk, then block, so tasks 2 P and
-// 2 P + 1, the CTAs of cluster P (mod the cluster count), hold one chunk's blocks 2 j, 2 j + 1.
-__device__ __forceinline__ xgemm::Task decode_pair(const xgemm::Params& g, const int* prefix, int u) {
-  const int pairs = g.n_blocks / 2, P = u / 2;
-  const int e = xgemm::find_expert(g, prefix, P, pairs);
-  const int local = P - prefix[e] * pairs;
-  return xgemm::make_task(g, e, 2 * (local % pairs) + u % 2, local / pairs, prefix[e + 1] - prefix[e]);
-}
-
 // wgmma m64 nN k32 (e4m3 in, fp32 accumulate, both operands K-major): CuTe's SM90 atom of that
 // shape; the macro spells out the specialisations N = 16 .. 128 (a 128-token slice of a task).
 template <int N>
@@ -233,14 +220,7 @@ __device__ __forceinline__ void mma_task_wide(const xgemm::Params& g, const Ring
     gemm::ring_wait<false>(sm.full(s), (it / Ring::kStages) & 1, nullptr);
     mma_slice<N0, 0>(sm, s, cw, acc, sum, wscale, ws);
     if constexpr (N1 > 0) mma_slice<N1, 1>(sm, s, cw, acc, sum, wscale, ws);
-    if constexpr (kPaired) {
-      // on both CTAs' rings (the peer multicasts into ours): lane r arrives on CTA r's barrier (one
-      // mapa path; gemm::release_stage<true>'s rank lookup spilled the epilogues)
-      __syncwarp();
-      if (threadIdx.x % 32 < 2) mbar_arrive_remote(sm.empty(s), threadIdx.x % 32);
-    } else {
-      gemm::release_stage<false>(sm.empty(s));
-    }
+    gemm::release_stage<kPaired>(sm.empty(s));  // paired: on both CTAs' rings
   }
   fence_regs(acc);
 }

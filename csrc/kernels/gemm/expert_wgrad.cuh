@@ -329,9 +329,12 @@ __device__ __forceinline__ void store_task_tma(const Params& p, const Ring& sm, 
   fence_proxy_async_shared();
   warpgroup_bar_sync(bar);
   if (tid == 0) {
+    // dW is written once and not read here: evict it first, so the operands that the expert's other
+    // tasks read again stay in L2
+    const uint64_t policy = l2_evict_first_policy();
 #pragma unroll
     for (int i = 0; i < WN / 64; ++i)
-      tma_store_3d(tmOut, sm.out(cw) + i * kBoxBytes, t.nb * WN + 64 * i, t.mb * WM + cw * 64, t.seg);
+      tma_store_3d(tmOut, sm.out(cw) + i * kBoxBytes, t.nb * WN + 64 * i, t.mb * WM + cw * 64, t.seg, policy);
     bulk_commit_group();
   }
 }

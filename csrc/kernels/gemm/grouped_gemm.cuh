@@ -92,14 +92,16 @@ __device__ __forceinline__ bool ring_wait(uint64_t* bar, uint32_t parity, const 
 }
 
 // A consumer warp frees stage `s` of the ring: one arrival per warp, on this CTA's empty barrier
-// and, paired, on the peer's (whose producer multicasts half of A into this CTA's stage).
+// and, paired, on the peer's (whose producer multicasts into this CTA's stage): there lane r
+// arrives on CTA r's barrier (one mapa path, no rank lookup: that spilled the e4m3 epilogues).
 template <bool kPaired>
 __device__ __forceinline__ void release_stage(uint64_t* empty) {
   __syncwarp();
   const int lane = threadIdx.x % 32;
-  if (lane == 0) mbar_arrive(empty);
   if constexpr (kPaired) {
-    if (lane == 1) mbar_arrive_remote(empty, cluster_ctarank() ^ 1);
+    if (lane < 2) mbar_arrive_remote(empty, lane);
+  } else if (lane == 0) {
+    mbar_arrive(empty);
   }
 }
 
