@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 import torch
 
+from .config import TILE_ROWS
+
 _AVAILABLE: bool | None = None
 _LOAD_ERROR: str | None = None
 
@@ -22,7 +24,6 @@ SCHEDULE_CHUNK = 256
 # Must match csrc/kernels/passes/persistent.cuh (kHeader ints), then (megakernel.cu) 1 per routed
 # m-tile, 1 per routed token chunk (at most nle + capacity / 256), 1 per shared m-tile.
 MEGA_COUNTER_HEADER = 4
-ROW_TILE = 128
 CHUNK_ROWS = 256
 # Must match xgemm::kMaxSeg in csrc/kernels/gemm/expert_gemm.cuh: segments (local experts) per launch.
 EXPERT_GEMM_MAX_SEGMENTS = 512
@@ -78,8 +79,8 @@ def schedule_scratch_ints(ep: int, num_tokens: int, nle: int, num_experts: int) 
 
 def megakernel_counter_ints(capacity: int, num_tokens: int, num_local_experts: int) -> int:
     """int32 counters of the forward megakernel."""
-    return (MEGA_COUNTER_HEADER + capacity // ROW_TILE + num_local_experts + capacity // CHUNK_ROWS
-            + math.ceil(num_tokens / ROW_TILE))
+    return (MEGA_COUNTER_HEADER + capacity // TILE_ROWS + num_local_experts + capacity // CHUNK_ROWS
+            + math.ceil(num_tokens / TILE_ROWS))
 
 
 def publish_barrier(src, dst, state, errors, peer_flags: list[int], rank: int, timeout_s: float,

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include <algorithm>
 #include <mutex>
 #include <vector>
 
@@ -655,6 +656,14 @@ int units_at_once(Kernel kernel, const cudaLaunchConfig_t& cfg, bool paired) {
   std::lock_guard<std::mutex> lock(mu);
   cache.push_back(Entry{key, dev, static_cast<int>(cfg.dynamicSmemBytes), units});
   return units;
+}
+
+// The grid of a persistent launch of units (a CTA, or paired a 2-CTA cluster): num_ctas CTAs when
+// > 0 (paired: num_ctas / 2 units), else as many units as run at once (at_once, units_at_once);
+// at most max_units units, at least one.
+inline dim3 persistent_grid(int num_ctas, int at_once, int64_t max_units, bool paired) {
+  const int64_t units = num_ctas > 0 ? (paired ? num_ctas / 2 : num_ctas) : at_once;
+  return dim3(static_cast<unsigned>((paired ? 2 : 1) * std::max<int64_t>(1, std::min<int64_t>(units, max_units))));
 }
 
 // cudaLaunchKernelEx, its error as a message (nullptr: launched).

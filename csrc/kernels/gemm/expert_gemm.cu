@@ -69,8 +69,7 @@ const char* launch_expert_kernel(const CUtensorMap& tmW, const CUtensorMap& tmX,
   if (at_once == 0) return "mok grouped_gemm: cannot raise the shared-memory limit of the expert-major GEMM";
   // an upper bound of the unit count (the real one is on the device)
   const int64_t max_units = ((int64_t)p.nseg + p.a_rows / xgemm::kMaxTok + 1) * (paired ? p.n_blocks / 2 : p.n_blocks);
-  const int64_t units = num_ctas > 0 ? (paired ? num_ctas / 2 : num_ctas) : at_once;
-  cfg.gridDim = dim3(static_cast<unsigned>((paired ? 2 : 1) * std::max<int64_t>(1, std::min<int64_t>(units, max_units))));
+  cfg.gridDim = persistent_grid(num_ctas, at_once, max_units, paired);
   return launch_ex(cfg, kernel, tmW, tmX, p, bw);
 }
 

@@ -317,6 +317,21 @@ __device__ __forceinline__ void produce_tasks(const Ring& sm, uint32_t& it, Prod
 
 // ---- the ring ------------------------------------------------------------------------------------
 
+// Producer thread: the nbox 64-row token boxes of a stage (128-byte rows: 64 bf16 or 128 e4m3 K
+// columns from column k0), box i at x + i * kXBox * 128 from token row row0 + i * kXBox. kPaired
+// (column pairs): this CTA loads every other box (from its cluster rank) and multicasts it into both
+// CTAs' stages.
+template <bool kPaired>
+__device__ __forceinline__ void load_token_boxes(uint8_t* x, const CUtensorMap* tmX, uint64_t* full, int k0, int row0,
+                                                 int nbox) {
+  if constexpr (kPaired) {
+    for (int i = static_cast<int>(cluster_ctarank()); i < nbox; i += 2)
+      tma_load_2d_multicast(x + i * kXBox * 128, tmX, full, k0, row0 + i * kXBox, 0x3);
+  } else {
+    for (int i = 0; i < nbox; ++i) tma_load_2d(x + i * kXBox * 128, tmX, full, k0, row0 + i * kXBox);
+  }
+}
+
 // Producer thread: the weight tile and the task's token rows, K block by K block. `Ring` gives the
 // stages (w(s), x(s): the token-major ring's a(s), b(s) layout) and their barriers (full(s),
 // empty(s)). Megakernel (kWatch): waits under the watchdog, and `tag` goes to stage_tag[s] of the
@@ -324,9 +339,8 @@ __device__ __forceinline__ void produce_tasks(const Ring& sm, uint32_t& it, Prod
 // kWMN (the backward's dgrad): the weights are stored [K, M] per expert (M contiguous, as
 // Megatron keeps them for the forward); a stage then holds two [64 K rows][64 M] boxes, one per
 // consumer warpgroup, which wgmma reads as an MN-major A operand.
-// kPaired (decode_pair's tasks): this CTA loads every other 64-row token box (from its cluster
-// rank) and multicasts it into both CTAs' stages; the weights stay its own. Each CTA's stage
-// expects the whole stage's bytes.
+// kPaired (decode_pair's tasks): the token boxes are shared (load_token_boxes); the weights stay
+// this CTA's own. Each CTA's stage expects the whole stage's bytes.
 template <bool kSwiGLU, bool kWatch = false, bool kWMN = false, bool kPaired = false, class Ring>
 __device__ __forceinline__ void produce_task(const Params& p, const CUtensorMap* tmW, const CUtensorMap* tmX,
                                              const Ring& sm, const Task& t, uint32_t& it, const Watchdog* w = nullptr,
@@ -351,13 +365,7 @@ __device__ __forceinline__ void produce_task(const Params& p, const CUtensorMap*
     } else {
       tma_load_2d(sm.w(s), tmW, sm.full(s), kb * BK, wcoord);
     }
-    if constexpr (kPaired) {
-      for (int i = static_cast<int>(cluster_ctarank()); i < nbox; i += 2)
-        tma_load_2d_multicast(sm.x(s) + i * kXBox * 128, tmX, sm.full(s), kb * BK, t.row0 + i * kXBox, 0x3);
-    } else {
-      for (int i = 0; i < nbox; ++i)
-        tma_load_2d(sm.x(s) + i * kXBox * 128, tmX, sm.full(s), kb * BK, t.row0 + i * kXBox);
-    }
+    load_token_boxes<kPaired>(sm.x(s), tmX, sm.full(s), kb * BK, t.row0, nbox);
   }
 }
 

@@ -227,8 +227,7 @@ const char* launch_expert_gemm_fp8(bool swiglu, const void* x8, int64_t rows, in
   // row tasks and clusters take two weight blocks a unit; a row-pair cluster two row tasks
   const int64_t blocks = rows_layout || paired ? (p.g.n_blocks + 1) / 2 : p.g.n_blocks;
   const int64_t max_units = (((int64_t)nseg + rows / task_tok + 1) * blocks + (rows_paired ? 1 : 0)) / (rows_paired ? 2 : 1);
-  const int64_t units = num_ctas > 0 ? (paired ? num_ctas / 2 : num_ctas) : at_once;
-  cfg.gridDim = dim3(static_cast<unsigned>((paired ? 2 : 1) * std::max<int64_t>(1, std::min<int64_t>(units, max_units))));
+  cfg.gridDim = persistent_grid(num_ctas, at_once, max_units, paired);
   if (cudaMemsetAsync(tickets, 0, sizeof(int), stream) != cudaSuccess)
     return "mok expert_gemm_fp8: zeroing the task counter failed";
   return launch_ex(cfg, kernel, tmW, tmX, tmR, p);

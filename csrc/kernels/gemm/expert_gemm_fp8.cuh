@@ -99,8 +99,8 @@ __host__ __device__ constexpr int k_blocks(int K) { return (K + BK - 1) / BK; }
 // Producer thread: per stage the weight tile, the task's token rows and their scales of block kb
 // (one TMA box of Ring::kScaleBytes from row0: 256 fp32). `Ring` gives the stages (w(s), x(s),
 // scales(s)) and their barriers.
-// kPaired (pair tasks, 2-CTA clusters): this CTA loads every other 64-row token box (from its
-// cluster rank) and multicasts it into both CTAs' stages; the weights and scales stay its own.
+// kPaired (pair tasks, 2-CTA clusters): the token boxes are shared (xgemm::load_token_boxes); the
+// weights and scales stay this CTA's own.
 template <bool kSwiGLU, bool kPaired = false, class Ring>
 __device__ __forceinline__ void produce_task(const xgemm::Params& g, const CUtensorMap* tmW, const CUtensorMap* tmX,
                                              const CUtensorMap* tmR, const Ring& sm, const xgemm::Task& t,
@@ -117,14 +117,7 @@ __device__ __forceinline__ void produce_task(const xgemm::Params& g, const CUten
       tma_load_4d(sm.w(s), tmW, sm.full(s), kb * BK, 0, 0, wcoord);
     else
       tma_load_2d(sm.w(s), tmW, sm.full(s), kb * BK, wcoord);
-    if constexpr (kPaired) {
-      for (int i = static_cast<int>(cluster_ctarank()); i < nbox; i += 2)
-        tma_load_2d_multicast(sm.x(s) + i * xgemm::kXBox * BK, tmX, sm.full(s), kb * BK, t.row0 + i * xgemm::kXBox,
-                              0x3);
-    } else {
-      for (int i = 0; i < nbox; ++i)
-        tma_load_2d(sm.x(s) + i * xgemm::kXBox * BK, tmX, sm.full(s), kb * BK, t.row0 + i * xgemm::kXBox);
-    }
+    xgemm::load_token_boxes<kPaired>(sm.x(s), tmX, sm.full(s), kb * BK, t.row0, nbox);
     tma_load_2d(sm.scales(s), tmR, sm.full(s), t.row0, kb);
   }
 }

@@ -133,8 +133,7 @@ __device__ __forceinline__ void produce_task(const xgemm::Params& g, const CUten
       else
         tma_load_2d(sm.w(s) + j * kWBytes, tmW, sm.full(s), kb * BK, c1);
     }
-    for (int i = 0; i < nbox; ++i)
-      tma_load_2d(sm.x(s) + i * xgemm::kXBox * BK, tmX, sm.full(s), kb * BK, t.row0 + i * xgemm::kXBox);
+    xgemm::load_token_boxes<false>(sm.x(s), tmX, sm.full(s), kb * BK, t.row0, nbox);
     tma_load_2d(sm.scales(s), tmR, sm.full(s), t.row0, kb);
   }
 }

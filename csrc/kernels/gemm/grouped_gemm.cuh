@@ -24,7 +24,7 @@ namespace mok {
 // and task claims every GEMM kernel shares.
 namespace gemm {
 
-constexpr int BM = 128;          // rows per tile (= ROW_ALIGN: a tile never straddles two experts)
+constexpr int BM = kTileRows;    // rows per tile (segments without seg_counts: BM-aligned, no tile straddles two)
 constexpr int BN = 256;          // accumulator columns per tile
 constexpr int BK = 64;           // K per stage: one 128-byte swizzle atom of bf16
 constexpr int kStages = tuning::kGemmStages;
