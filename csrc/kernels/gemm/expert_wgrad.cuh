@@ -7,7 +7,7 @@
 //
 // A task is (expert e, 128 rows of dW[e], 256 columns of dW[e]); its K loop runs over the expert's
 // rows in ascending order and one task owns each output element: the bits do not depend on the
-// grid. A and B may use different row layouts: a_offsets / b_offsets give each expert's first row
+// grid or the task order. A and B may use different row layouts: a_offsets / b_offsets give each expert's first row
 // in each. Only the first
 // ceil16(rows) rows enter the MMA (the last stage issues only its 16-row groups inside them), and
 // rows between the real count and that bound must be zero in A or B (padding rows).
@@ -72,6 +72,7 @@ struct Params {
   int nseg;
   int M, N;              // dW[e] is [M, N]
   int m_blocks, n_blocks;
+  bool m_fastest;        // consecutive tasks of an expert walk dW's row blocks (decode)
   __nv_bfloat16* out;    // [nseg, M, N]
 };
 
@@ -89,10 +90,14 @@ struct Task {
 
 __device__ __forceinline__ int num_tasks(const Params& p) { return p.nseg * p.m_blocks * p.n_blocks; }
 
-// Expert-major, then 128-row block, then 256-column block (an expert's A and B stay in L2).
+// Expert-major (an expert's A and B stay in L2 while its tasks run). Inside an expert, consecutive
+// tasks share a slice of the wider operand and walk the narrower one's slices: the dW stores stream
+// through L2 faster than an expert's tasks come back to a slice, so the operand whose slices are
+// read by tasks far apart is read from HBM again, and that should be the narrower one.
 __device__ __forceinline__ Task decode(const Params& p, int u) {
-  const int per = p.m_blocks * p.n_blocks;
-  return Task{u / per, (u % per) / p.n_blocks, u % p.n_blocks};
+  const int per = p.m_blocks * p.n_blocks, e = u / per, r = u % per;
+  if (p.m_fastest) return Task{e, r % p.m_blocks, r / p.m_blocks};
+  return Task{e, r / p.n_blocks, r % p.n_blocks};
 }
 
 template <size_t... Is>
@@ -352,6 +357,7 @@ inline Params make_params(const int* a_offsets, const int* b_offsets, const int*
   p.N = N;
   p.m_blocks = (M + WM - 1) / WM;
   p.n_blocks = (N + WN - 1) / WN;
+  p.m_fastest = M < N;  // A ([rows, M]) is the narrower operand
   p.out = static_cast<__nv_bfloat16*>(out);
   return p;
 }
