@@ -308,7 +308,9 @@ def expert_wgrad(a, a_offsets, b, b_offsets, counts, out, num_ctas: int = 0) -> 
     """``out[e] = a[rows of e]^T @ b[rows of e]`` (``[nseg, M, N]``; fp32 accumulation over the rows
     in ascending order, one rounding): expert e's ``counts[e]`` rows start at ``a_offsets[e]`` in
     ``a`` (``[rows, M]``) and ``b_offsets[e]`` in ``b`` (``[rows', N]``); the rows up to the next
-    multiple of 16 are read too and must be zero in ``a`` or ``b``. Experts without rows get zeros."""
+    multiple of 16 are read too and must be zero in ``a`` or ``b``. Experts without rows get zeros.
+    ``out`` bf16 is written; ``out`` fp32 gets the product added (``out[e] +=``, in fp32, no bf16
+    rounding; Megatron's ``main_grad``), and experts without rows add nothing."""
     _ops().expert_wgrad(a, a_offsets, b, b_offsets, counts, out, num_ctas)
 
 
@@ -329,9 +331,10 @@ def quantize_columns_e4m3(x, offsets, counts, x_scale=None, scale_rows: bool = F
 
 def expert_wgrad_fp8(a_t, a_scale, b_t, b_scale, offsets, counts, out, num_ctas: int = 0) -> None:
     """``out[e] = (a_t[:, rows of e] @ b_t[:, rows of e]^T) * a_scale[e][:, None] * b_scale[e][None, :]``
-    (``[nseg, M, N]`` bf16), the e4m3 twin of ``expert_wgrad``: ``a_t [M, ld]``, ``b_t [N, ld]`` and
-    their scales from ``quantize_columns_e4m3`` of one row layout; the tensor cores sum the expert's
-    rows (rounded up to 32) and the epilogue applies both scales. Experts without rows get zeros."""
+    (``[nseg, M, N]`` bf16, or fp32 added into as in ``expert_wgrad``), the e4m3 twin of
+    ``expert_wgrad``: ``a_t [M, ld]``, ``b_t [N, ld]`` and their scales from ``quantize_columns_e4m3``
+    of one row layout; the tensor cores sum the expert's rows (rounded up to 32) and the epilogue
+    applies both scales. Experts without rows get zeros."""
     _ops().expert_wgrad_fp8(a_t, a_scale, b_t, b_scale, offsets, counts, out, num_ctas)
 
 

@@ -34,6 +34,12 @@ output) and bwd_peak_bytes_per_token = the allocation peak of one backward above
 before it, both divided by T. mok rows also store workspace_bytes_per_gpu: its symmetric buffers, a
 per-GPU constant shared by every layer of the shape (not activation memory; docs/DESIGN.md 7.2).
 
+--main-grads (with --pass bwd): the weight gradients go into fp32 main grads, as Megatron's
+gradient-accumulation fusion wants them: mok passes them as ``main_grads`` (its weight-gradient GEMMs
+add into them), the baselines add their bf16 weight gradients into them after the backward (as
+Megatron's DDP hook does). The rows' pass is "bwd+main_grad"; its roofline counts the main grads
+read and written in fp32 (8 bytes a weight) instead of bf16 gradients written (2).
+
 Timing: CUDA events around every iteration on every rank, warm-up first; the reported time is the
 median over iterations of the per-iteration maximum over ranks. Forward FLOPs per rank =
 6 T k H I + 6 T H Is (tflops in the JSON). Each row also stores its roofline (``pass_cost`` and
@@ -253,7 +259,8 @@ def pass_cost(*, hidden: int, ffn: int, shared_ffn: int, topk: int, tokens: int,
         one fp32 scale per 128 x 128 tile (mok's stored form; the backward's dgrads read the same
         amount in their transposed copies); the shared expert in e4m3 in the forward and bf16 in the
         backward (mok's shared backward runs bf16).
-      * backward: the weight gradients written once, bf16 (2 bytes a value), for the same weights.
+      * backward: the weight gradients written once, bf16 (2 bytes a value), for the same weights;
+        bwd+main_grad: added into fp32 main grads instead (read and written, 8 bytes a value).
       * activations: forward x read (bf16), the router weights read (fp32, T k), out written (bf16);
         backward grad_out and x read (bf16), the router weights read (fp32), dx written (bf16), the
         router-weight gradient written (fp32, T k).
@@ -267,7 +274,7 @@ def pass_cost(*, hidden: int, ffn: int, shared_ffn: int, topk: int, tokens: int,
     of the dx rows (bf16). A rank receives the rows_in dispatch rows and its rows_out combine rows,
     and sends the opposite; links are full duplex, so the bytes of the busier direction count.
     """
-    if pass_ not in ("fwd", "bwd") or precision not in ("bf16", "fp8"):
+    if pass_ not in ("fwd", "bwd", "bwd+main_grad") or precision not in ("bf16", "fp8"):
         raise ValueError(f"pass_cost: pass {pass_!r}, precision {precision!r}")
     H, I, Is, k, T = hidden, ffn, shared_ffn, topk, tokens
     mult = 1 if pass_ == "fwd" else 2
@@ -280,8 +287,11 @@ def pass_cost(*, hidden: int, ffn: int, shared_ffn: int, topk: int, tokens: int,
     hbm = {"weights_read": routed_w * routed_wb + shared_w * shared_wb}
     if pass_ == "fwd":
         hbm["activations"] = 2 * T * H + 4 * T * k + 2 * T * H
-    else:
+    elif pass_ == "bwd":
         hbm["weight_grads_written"] = 2 * (routed_w + shared_w)
+    else:  # fp32 main grads read and written
+        hbm["weight_grads_into_main_grad"] = 8 * (routed_w + shared_w)
+    if pass_ != "fwd":
         hbm["activations"] = 2 * T * H * 2 + 4 * T * k + 2 * T * H + 4 * T * k
     row_e4m3 = H + 4 * H / E4M3_BLOCK
     first = row_e4m3 if precision == "fp8" else 2 * H  # dispatch (fwd) / grad_out pull (bwd) row
@@ -604,9 +614,25 @@ def fp8_grouped_mm_unsupported(dev) -> str | None:
 
 
 PASS = "fwd"  # set by main(): "fwd" or "bwd"
+MAIN_GRADS = False  # set by main(): --main-grads
+ROW_PASS = "fwd"  # the rows' pass: PASS, or "bwd+main_grad"
 SAVED_BYTES: dict = {}  # backend -> bytes its forward keeps for the backward (--pass bwd)
 MOK_WORKSPACES: dict = {}  # mok backend -> its workspace (its symmetric buffers are reported per row)
 WEIGHT_QUANT_MS: dict = {}  # fp8 backend -> median ms of quantizing its weights (outside the timed step)
+
+
+def _main_grads(c, dev) -> tuple | None:
+    """--main-grads: fp32 zeros of the weights' shapes (fc1, fc2, shared fc1, shared fc2), else None."""
+    if not MAIN_GRADS:
+        return None
+    return tuple(torch.zeros(c[n].shape, dtype=torch.float32, device=dev) for n in ("fc1", "fc2", "sfc1", "sfc2"))
+
+
+def _add_into(mains, grads) -> None:
+    """A baseline's weight gradients added into the main grads (Megatron's DDP hook: main_grad.add_)."""
+    if mains is not None:
+        for m, gw in zip(mains, grads):
+            m.add_(gw)
 
 
 def _grad_out(c, dev):
@@ -670,9 +696,11 @@ def backend_mok(c, dev, cfg, name="mok"):
         _, ctx = megatron_mok.forward(cfg, ws, sched, *args, fp8_weights=fp8_weights)
         SAVED_BYTES[name] = _nbytes(ctx)
         grad = _grad_out(c, dev)
+        mains = _main_grads(c, dev)
 
         def bwd_step():
-            return megatron_mok.backward(cfg, ws, sched, ctx, grad, *args, fp8_weights=fp8_weights).dx
+            return megatron_mok.backward(cfg, ws, sched, ctx, grad, *args, main_grads=mains,
+                                         fp8_weights=fp8_weights).dx
 
         return bwd_step
 
@@ -817,8 +845,12 @@ def _alltoall_backend(c, dev, name: str, experts):
         grad = _grad_out(c, dev)
         inputs = [leaves["x"], probs_dense, leaves["fc1"], leaves["fc2"], leaves["sfc1"], leaves["sfc2"]]
 
+        mains = _main_grads(c, dev)
+
         def bwd_step():
-            return torch.autograd.grad(out, inputs, grad_outputs=grad, retain_graph=True)[0]
+            grads = torch.autograd.grad(out, inputs, grad_outputs=grad, retain_graph=True)
+            _add_into(mains, grads[2:])
+            return grads[0]
 
         return bwd_step
     return step
@@ -1065,8 +1097,12 @@ def _symm_a2a_backward(c, dev, bufs, order, ids, splits, back_order, arange_out)
     grad = _grad_out(c, dev)
     inputs = [leaves[n] for n in ("x", "probs", "fc1", "fc2", "sfc1", "sfc2")]
 
+    mains = _main_grads(c, dev)
+
     def bwd_step():
-        return torch.autograd.grad(out, inputs, grad_outputs=grad, retain_graph=True)[0]
+        grads = torch.autograd.grad(out, inputs, grad_outputs=grad, retain_graph=True)
+        _add_into(mains, grads[2:])
+        return grads[0]
 
     return bwd_step
 
@@ -1246,6 +1282,8 @@ def resident_weight_bytes(shape: str, backend: str, pass_: str, ep: int = 1) -> 
         out["e4m3_weights"] = routed * (2 if transposed else 1)
     if pass_ == "bwd":
         out["weight_grads"] = 2 * (routed + shared)
+        if MAIN_GRADS:
+            out["fp32_main_grads"] = 4 * (routed + shared)
     return out
 
 
@@ -1316,7 +1354,7 @@ def _run_case(args, backends, dev, shape, routing, T, gate, gate_error, ep) -> l
         log(f"{shape:16s} T={T:5d} ERROR {err}")
         release_memory(dev)
         dist.barrier()
-        return [dict(shape=shape, tokens=T, backend=be, ep=ep, routing=routing, pass_=PASS,
+        return [dict(shape=shape, tokens=T, backend=be, ep=ep, routing=routing, pass_=ROW_PASS,
                      precision=backend_precision(be), status="error", error=err) for be in backends]
     flops = 6 * T * c["k"] * c["H"] * c["I"] + 6 * T * c["H"] * c["Is"]
     if PASS == "bwd":
@@ -1326,7 +1364,7 @@ def _run_case(args, backends, dev, shape, routing, T, gate, gate_error, ep) -> l
     ref_bits: dict = {}  # _result_key -> (backend, output): the first mok variant of those bits
     saved = os.path.join(args.tmp_dir, f"mok_out_{PASS}_{shape}_{T}_{routing}_rank{dist.get_rank()}.pt")
     for i, be in enumerate(backends):
-        row = dict(shape=shape, tokens=T, backend=be, ep=ep, routing=routing, pass_=PASS,
+        row = dict(shape=shape, tokens=T, backend=be, ep=ep, routing=routing, pass_=ROW_PASS,
                    precision=backend_precision(be), flops_per_rank=flops)
         step = out = cfg = None
         SAVED_BYTES.pop(be, None)  # nothing of an earlier token count's row is read for this one
@@ -1509,6 +1547,8 @@ def parse_args(argv=None):
                    help=f"comma list of {BACKENDS} and mok@FIELD=VALUE[+FIELD=VALUE...] (MoKConfig fields)")
     p.add_argument("--pass", dest="pass_", default="fwd", choices=["fwd", "bwd"],
                    help="fwd: the layer forward; bwd: the layer backward alone (see above)")
+    p.add_argument("--main-grads", action="store_true",
+                   help="--pass bwd: weight gradients into fp32 main grads (Megatron's gradient-accumulation fusion)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--routing", default="random", help=f"comma list of {ROUTINGS}")
@@ -1557,9 +1597,13 @@ def parse_args(argv=None):
 
 
 def main() -> None:
-    global PASS
+    global PASS, MAIN_GRADS, ROW_PASS
     args = parse_args()
     PASS = args.pass_
+    MAIN_GRADS = args.main_grads
+    if MAIN_GRADS and PASS != "bwd":
+        raise SystemExit("bench_layer: --main-grads needs --pass bwd")
+    ROW_PASS = "bwd+main_grad" if MAIN_GRADS else PASS
     backends = args.backends_list
 
     if args.child_out is not None:

@@ -149,6 +149,22 @@ def test_roofline_inputs_and_bound():
                           dict(RATES, matmul_tflops={"bf16": 800.0, "fp8": None}))
 
 
+def test_main_grad_pass_counts_fp32_main_grads():
+    """bwd+main_grad (--main-grads): the same FLOPs, fp32 main grads read and written (8 bytes a
+    weight) in place of the bf16 gradients written (2)."""
+    bl = _bench()
+    stats = dict(routed_rows=64, active_experts=4, rows_out=0, rows_in=0)
+    args = dict(hidden=256, ffn=128, shared_ffn=128, topk=2, tokens=32, precision="bf16", **stats)
+    bwd, fused = bl.pass_cost(pass_="bwd", **args), bl.pass_cost(pass_="bwd+main_grad", **args)
+    weights = (4 + 1) * 3 * 256 * 128
+    assert fused["flops"] == bwd["flops"]
+    assert fused["hbm_bytes"] - bwd["hbm_bytes"] == 6 * weights
+    assert fused["hbm_bytes_detail"]["weight_grads_into_main_grad"] == 8 * weights
+    assert "weight_grads_written" not in fused["hbm_bytes_detail"]
+    with pytest.raises(ValueError, match="pass"):
+        bl.pass_cost(pass_="fwd+main_grad", **args)
+
+
 def test_routing_stats_and_nvlink_bytes_at_ep2():
     bl = _bench()
     # 2 ranks, 4 experts (2 per rank), T=2, k=2

@@ -200,12 +200,20 @@ void expert_dgrad(const Tensor& dy, const Tensor& w, const Tensor& seg_offsets, 
                                  out.data_ptr(), bwd, static_cast<int>(num_ctas), current_stream()));
 }
 
+// A weight gradient's out: bf16 (written) or fp32 (added into, e.g. Megatron's main_grad); true for fp32.
+bool check_wgrad_out(const Tensor& out, const char* op) {
+  TORCH_CHECK(out.is_cuda() && out.is_contiguous(), "megatron_mok: ", op, " out must be a contiguous CUDA tensor");
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat, "megatron_mok: ", op,
+              " out has dtype ", out.scalar_type(), ", expected bfloat16 (written) or float32 (added into)");
+  return out.scalar_type() == at::kFloat;
+}
+
 // Routed weight gradients on the expert-major ring: out[e] = a[rows of e]^T @ b[rows of e].
 void expert_wgrad(const Tensor& a, const Tensor& a_offsets, const Tensor& b, const Tensor& b_offsets,
                   const Tensor& counts, Tensor& out, int64_t num_ctas) {
   check_cuda(a, "a", at::kBFloat16);
   check_cuda(b, "b", at::kBFloat16);
-  check_cuda(out, "out", at::kBFloat16);
+  const bool out_f32 = check_wgrad_out(out, "expert_wgrad");
   for (auto* t : {&a_offsets, &b_offsets, &counts}) check_cuda(*t, "offsets / counts", at::kInt);
   TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && out.dim() == 3,
               "megatron_mok: expert_wgrad needs a [rows, M], b [rows', N], out [nseg, M, N]");
@@ -218,7 +226,8 @@ void expert_wgrad(const Tensor& a, const Tensor& a_offsets, const Tensor& b, con
   c10::cuda::CUDAGuard guard(a.device());
   check(mok::launch_expert_wgrad(a.data_ptr(), a.size(0), static_cast<int>(M), a_offsets.data_ptr<int>(), b.data_ptr(),
                                  b.size(0), static_cast<int>(N), b_offsets.data_ptr<int>(), counts.data_ptr<int>(),
-                                 static_cast<int>(nseg), out.data_ptr(), static_cast<int>(num_ctas), current_stream()));
+                                 static_cast<int>(nseg), out.data_ptr(), out_f32, static_cast<int>(num_ctas),
+                                 current_stream()));
 }
 
 // out[e] = (a_t[:, rows of e] @ b_t[:, rows of e]^T) * a_scale[e][:, None] * b_scale[e][None, :]
@@ -230,7 +239,7 @@ void expert_wgrad_fp8(const Tensor& a_t, const Tensor& a_scale, const Tensor& b_
               "megatron_mok: expert_wgrad_fp8 a_t and b_t must be e4m3 CUDA tensors (quantize_columns_e4m3)");
   check_cuda(a_scale, "a_scale", at::kFloat);
   check_cuda(b_scale, "b_scale", at::kFloat);
-  check_cuda(out, "out", at::kBFloat16);
+  const bool out_f32 = check_wgrad_out(out, "expert_wgrad_fp8");
   for (auto* t : {&offsets, &counts}) check_cuda(*t, "offsets / counts", at::kInt);
   const int64_t nseg = out.size(0), M = a_t.size(0), N = b_t.size(0);
   using ll = long long;
@@ -248,7 +257,7 @@ void expert_wgrad_fp8(const Tensor& a_t, const Tensor& a_scale, const Tensor& b_
   check(mok::launch_expert_wgrad_fp8(a_t.data_ptr(), static_cast<int>(M), a_scale.data_ptr<float>(), b_t.data_ptr(),
                                      static_cast<int>(N), b_scale.data_ptr<float>(), a_t.stride(0),
                                      offsets.data_ptr<int>(), counts.data_ptr<int>(), static_cast<int>(nseg),
-                                     out.data_ptr(), static_cast<int>(num_ctas), current_stream()));
+                                     out.data_ptr(), out_f32, static_cast<int>(num_ctas), current_stream()));
 }
 
 }  // namespace

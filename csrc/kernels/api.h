@@ -210,17 +210,19 @@ const char* launch_expert_dgrad(const void* dy, int64_t rows, int K, const void*
 // expert, fp32 accumulation over the rows in ascending order, one bf16 rounding). Expert e's rows
 // start at a_offsets[e] in a ([a_rows, M]) and b_offsets[e] in b ([b_rows, N]); counts[e] real
 // rows, rounded up to 16 (rows between must be zero in a or b); experts without rows get zeros.
+// out_f32: out is fp32 and out[e] += the product in fp32 (no rounding to bf16; Megatron's main_grad
+// under gradient-accumulation fusion); an expert without rows adds nothing.
 const char* launch_expert_wgrad(const void* a, int64_t a_rows, int M, const int* a_offsets, const void* b,
                                 int64_t b_rows, int N, const int* b_offsets, const int* counts, int nseg, void* out,
-                                int num_ctas, cudaStream_t stream);
+                                bool out_f32, int num_ctas, cudaStream_t stream);
 
 // The same in e4m3: out[e] = (a_t[:, rows of e] @ b_t[:, rows of e]^T) * a_scale[e][m] * b_scale[e][n]
 // with a_t [M, ld], b_t [N, ld] from launch_quantize_columns_e4m3 (one row layout: expert e's
 // rows start at offsets[e]); counts[e] real rows, rounded up to 32 (rows between must be zero in
-// a_t or b_t, and finite in both); experts without rows get zeros.
+// a_t or b_t, and finite in both); experts without rows get zeros. out_f32 as launch_expert_wgrad.
 const char* launch_expert_wgrad_fp8(const void* a_t, int M, const float* a_scale, const void* b_t, int N,
                                     const float* b_scale, int64_t ld, const int* offsets, const int* counts, int nseg,
-                                    void* out, int num_ctas, cudaStream_t stream);
+                                    void* out, bool out_f32, int num_ctas, cudaStream_t stream);
 
 // ---- quant/: the e4m3 quantizers ------------------------------------------------------------
 

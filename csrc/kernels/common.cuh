@@ -326,6 +326,16 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void*
                "r"(smem_u32(smem_src)), "r"(c0), "r"(c1), "r"(c2), "l"(policy)
                : "memory");
 }
+// TMA reduce-add of a 3D box from shared memory into global memory (out += box, element by element
+// in the L2; one add per element and launch is deterministic), otherwise as tma_store_3d.
+__device__ __forceinline__ void tma_add_3d(const CUtensorMap* map, const void* smem_src, int c0, int c1, int c2,
+                                           uint64_t policy) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group.L2::cache_hint [%0, {%2, %3, %4}], [%1], "
+      "%5;" ::"l"(reinterpret_cast<uint64_t>(map)),
+      "r"(smem_u32(smem_src)), "r"(c0), "r"(c1), "r"(c2), "l"(policy)
+      : "memory");
+}
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // This thread's bulk groups have read their shared memory (it may be overwritten).
 __device__ __forceinline__ void bulk_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }

@@ -87,7 +87,10 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx: KernelCo
     weights' transposed copies from ``fp8_weights`` or quantized here); ``cfg.wgrad_precision ==
     "fp8"``: the routed weight gradients on e4m3 transposes of their operands. The shared expert's
     backward is bf16. Weight gradients come back in bf16 (fp32 accumulation inside each GEMM, one
-    rounding); with ``main_grads`` they are added into those fp32 tensors and come back as None.
+    rounding); with ``main_grads`` they are added into those tensors and come back as None. The
+    weight-gradient GEMMs add into an fp32 contiguous main grad of their weight's shape themselves,
+    in fp32 (``fused_main_grad``: no bf16 rounding, no bf16 copy, as Megatron's gradient-accumulation
+    fusion does); other main grads get the bf16 gradient added.
     ``ctx`` None: the forward context is recomputed here. ``comm_ctas``: CTAs of the pull and push
     kernels (0: ``4 * cfg.bwd_comm_sms``); no bit changes.
     """
@@ -145,7 +148,10 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx: KernelCo
     if shared_fc1 is not None:
         side.wait_event(before_pull)
         with torch.cuda.stream(side):
-            shared = experts.shared_backward(ws, ctx, g, x, shared_fc1, shared_fc2)
+            shared = experts.shared_backward(
+                ws, ctx, g, x, shared_fc1, shared_fc2,
+                fused_main_grad(main_grads, 2, shared_fc1.shape, ws.device),
+                fused_main_grad(main_grads, 3, shared_fc2.shape, ws.device))
     late8 = _LateTransposes(side, main, offsets, counts)
     if wgrad8:
         late8.start("dy", g_rows)
@@ -190,7 +196,8 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx: KernelCo
     #    rows go before the down projection's gradient is allocated)
     if rows is None:
         rows = dispatch.regather(cfg, ws, sched, x)
-    dfc1 = torch.empty((nle, 2 * I, H), **bf16)
+    main1 = fused_main_grad(main_grads, 0, (nle, 2 * I, H), ws.device)
+    dfc1 = main1 if main1 is not None else torch.empty((nle, 2 * I, H), **bf16)
     if wgrad8:  # e4m3 transposes, one scale per (expert, column)
         x_t, x_s = ops.quantize_columns_e4m3(rows, offsets, counts) if isinstance(rows, torch.Tensor) else \
             ops.quantize_columns_e4m3(rows[0], offsets, counts, x_scale=rows[1])
@@ -206,7 +213,8 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx: KernelCo
         del dh, x_rows
 
     # 7. the down projection's weight gradient
-    dfc2 = torch.empty((nle, H, I), **bf16)
+    main2 = fused_main_grad(main_grads, 1, (nle, H, I), ws.device)
+    dfc2 = main2 if main2 is not None else torch.empty((nle, H, I), **bf16)
     if wgrad8:
         dy_t, dy_s = late8.take("dy", g_rows)
         act_t, act_s = late8.take("act", act_w)
@@ -216,4 +224,19 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx: KernelCo
     else:
         ops.expert_wgrad(g_rows, offsets, act_w, offsets, counts, dfc2)
         del g_rows, act_w
+    if main1 is not None:
+        dfc1 = None  # added into main_grads[0] by its GEMM
+    if main2 is not None:
+        dfc2 = None
     return MoKGrads(dx.to(x.dtype), dprobs, *accumulate([dfc1, dfc2, dsfc1, dsfc2], main_grads))
+
+
+def fused_main_grad(main_grads, i: int, shape, device):
+    """``main_grads[i]`` when a routed weight-gradient GEMM can add into it itself (fp32, contiguous,
+    ``shape``, on ``device``), else None (then the bf16 gradient is added after the GEMM)."""
+    main = None if main_grads is None else main_grads[i]
+    dev = torch.device(device)
+    if main is None or main.dtype != torch.float32 or not main.is_contiguous() or tuple(main.shape) != tuple(shape) \
+            or main.device.type != dev.type or (dev.index is not None and main.device.index != dev.index):
+        return None
+    return main

@@ -155,9 +155,12 @@ def fc1_dgrad_fp8(w8, dhq, dhs, offsets, counts, dx_rows, push) -> None:
     ops.expert_gemm_fp8(dhq, dhs, w8.fc1_t.q, w8.fc1_t.scale, offsets, counts, dx_rows, False, push=push)
 
 
-def shared_backward(ws: MoKWorkspace, ctx: KernelContext, g, x, shared_fc1, shared_fc2):
+def shared_backward(ws: MoKWorkspace, ctx: KernelContext, g, x, shared_fc1, shared_fc2, main_fc1=None,
+                    main_fc2=None):
     """(dsfc1, dsfc2, shared_dx) of the shared expert on the expert-major GEMMs, the shared expert
-    being one segment of T rows; its SwiGLU output comes back from the down dgrad's epilogue."""
+    being one segment of T rows; its SwiGLU output comes back from the down dgrad's epilogue.
+    ``main_fc1`` / ``main_fc2``: fp32 contiguous main grads of the weights' shapes that the weight
+    gradients are added into (that entry comes back None), or None."""
     shared_fc1, shared_fc2 = shared_fc1.contiguous(), shared_fc2.contiguous()
     T, H, Is = g.shape[0], g.shape[1], shared_fc1.shape[0] // 2
     seg = comm(ws).shared_seg
@@ -170,9 +173,9 @@ def shared_backward(ws: MoKWorkspace, ctx: KernelContext, g, x, shared_fc1, shar
     del hs
     shared_dx = torch.empty((T, H), **bf16)
     ops.expert_dgrad(dhs, shared_fc1.view(1, 2 * Is, H), offs, count, shared_dx)
-    dsfc2 = torch.empty((1, H, Is), **bf16)
+    dsfc2 = main_fc2.view(1, H, Is) if main_fc2 is not None else torch.empty((1, H, Is), **bf16)
     ops.expert_wgrad(g, offs, shared_act, offs, count, dsfc2)
     del shared_act
-    dsfc1 = torch.empty((1, 2 * Is, H), **bf16)
+    dsfc1 = main_fc1.view(1, 2 * Is, H) if main_fc1 is not None else torch.empty((1, 2 * Is, H), **bf16)
     ops.expert_wgrad(dhs, offs, x, offs, count, dsfc1)
-    return dsfc1[0], dsfc2[0], shared_dx
+    return (None if main_fc1 is not None else dsfc1[0]), (None if main_fc2 is not None else dsfc2[0]), shared_dx

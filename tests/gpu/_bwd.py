@@ -154,9 +154,20 @@ def check_backward_bitwise_repeats(ws, top, w, g, comm_ctas: list, reps: int = 2
     ws.check_errors(blocking=True)
 
 
+def assert_fused_add(main, before, gw, what: str) -> None:
+    """``main`` = ``before`` + the fp32 sums whose bf16 rounding is ``gw`` (the weight-gradient GEMM
+    added them itself): within half a bf16 ulp of gw plus the fp32 add's rounding, elementwise."""
+    m, b, w = main.double(), before.double(), gw.double()
+    bound = w.abs() * 2.0 ** -8 + (m.abs() + b.abs()) * 2.0 ** -23
+    assert main.dtype == torch.float32 and bool(((m - b - w).abs() <= bound).all()), \
+        f"{what}: main grad is not before + the GEMM's fp32 sums (max excess {float(((m - b - w).abs() - bound).max())})"
+
+
 def check_main_grads_accumulate(cfg, ws, sched, ctx, w, g, plain, seed: int, dev):
-    """A backward with ``main_grads`` adds the fp32 weight gradients into random main grads (returning none)
-    and gives the dx / dprobs bits of the plain backward ``plain``. Returns (main grads, their values before)."""
+    """A backward with fp32 ``main_grads`` adds the weight gradients into random main grads in fp32
+    (the GEMMs add their sums themselves; nothing is returned for them), gives the dx / dprobs bits of
+    the plain backward ``plain``, and repeats bitwise from the same main grads. Returns (main grads,
+    their values before)."""
     kp = cuda_path()
     gen = torch.Generator().manual_seed(seed)
     before = [torch.randn(t.shape, generator=gen).to(dev) for t in w[2:]]
@@ -165,8 +176,12 @@ def check_main_grads_accumulate(cfg, ws, sched, ctx, w, g, plain, seed: int, dev
     torch.cuda.synchronize()
     assert got.dfc1 is None and got.dfc2 is None and got.dshared_fc1 is None and got.dshared_fc2 is None
     assert_bitwise(grads_list(got)[:2], plain[:2], "main_grads dx/dprobs")
-    for m, b, gw in zip(main, before, plain[2:]):
-        assert m.dtype == torch.float32 and torch.equal(m, b + gw.float()), "main_grads accumulation"
+    for i, (m, b, gw) in enumerate(zip(main, before, plain[2:])):
+        assert_fused_add(m, b, gw, f"main_grads[{i}]")
+    again = [b.clone() for b in before]
+    kp.backward(cfg, ws, sched, ctx, g, *w, main_grads=tuple(again))
+    torch.cuda.synchronize()
+    assert_bitwise(again, main, "main_grads repeat")
     return main, before
 
 

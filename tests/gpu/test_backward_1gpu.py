@@ -11,7 +11,7 @@ from megatron_mok import ROW_ALIGN, MoKConfig, create_workspace
 from megatron_mok.cuda.context import saved_bytes
 from megatron_mok.schedule import build_schedule_reference
 
-from ._bwd import (assert_bitwise, backward_case, check_backward_bitwise_repeats, check_backward_graph_equals_eager,
+from ._bwd import (assert_bitwise, assert_fused_add, backward_case, check_backward_bitwise_repeats, check_backward_graph_equals_eager,
                    check_backward_repeats, check_close, check_main_grads_accumulate, forward_backward,
                    grads_list, poison_all, reference_grads)
 from ._util import SHAPES, bits, gpu_marks, rel_err, schedules_equal
@@ -179,6 +179,21 @@ def test_expert_wgrad_matches_matmul(M, N):
             continue
         ref = a[aoffs[e]:aoffs[e] + c].double().t() @ b[boffs[e]:boffs[e] + c].double()
         assert rel_err(first[e], ref) < 1e-2, (e, rel_err(first[e], ref))
+    # fp32 out (Megatron's main_grad): the fp32 sums are added into it; experts without rows add nothing
+    base = torch.randn((len(counts), M, N), generator=gen).to(DEV)
+    first32 = None
+    for ctas in (0, 5):
+        out32 = base.clone()
+        ops.expert_wgrad(a, ao, b, bo, cnt, out32, num_ctas=ctas)
+        if first32 is None:
+            first32 = out32
+        else:
+            assert torch.equal(out32, first32), f"fp32 bits depend on the CTA count ({ctas})"
+    for e, c in enumerate(counts):
+        if c == 0:
+            assert torch.equal(first32[e], base[e]), f"expert {e} without rows changed its fp32 out"
+            continue
+        assert_fused_add(first32[e], base[e], first[e], f"fp32 out, expert {e}")
 
 
 def test_expert_wgrad_rejects_bad_shapes():
@@ -304,9 +319,15 @@ def test_backward_main_grads_accumulate():
     sched, ctx, plain = forward_backward(cfg, ws, top, w, g)
     main, before = check_main_grads_accumulate(cfg, ws, sched, ctx, w, g, plain, seed=3, dev=DEV)
     # a partial tuple fuses only the given entries; a second call adds again
+    once = main[0].clone()
     got2 = kp.backward(cfg, ws, sched, ctx, g, *w, main_grads=(main[0], None, None, None))
     assert got2.dfc1 is None and torch.equal(got2.dfc2, plain[3])
-    assert torch.equal(main[0], (before[0] + plain[2].float()) + plain[2].float())
+    assert_fused_add(main[0], once, plain[2], "second call")
+    # a main grad the GEMM cannot add into (bf16 here) gets the bf16 gradient added after it
+    main16 = before[1].bfloat16()
+    got3 = kp.backward(cfg, ws, sched, ctx, g, *w, main_grads=(None, main16, None, None))
+    assert got3.dfc2 is None and torch.equal(got3.dfc1, plain[2])
+    assert torch.equal(main16, before[1].bfloat16() + plain[3])
     ws.check_errors(blocking=True)
 
 

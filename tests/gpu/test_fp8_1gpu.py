@@ -13,7 +13,7 @@ import torch
 from megatron_mok import ROW_ALIGN, MoKConfig, fp8, functional
 from megatron_mok.schedule import build_schedule_reference
 
-from ._bwd import assert_bitwise, check_close, fp8_reference_grads, grads_list
+from ._bwd import assert_bitwise, assert_fused_add, check_close, fp8_reference_grads, grads_list
 from ._util import (bits, eager_before_capture, gemm_bits_over_cta_counts, gpu_marks, make_case, poison_internal,
                     rel_err)
 from ._util import cuda_path as _kp
@@ -502,6 +502,15 @@ def test_expert_wgrad_fp8_matches_dequantized_products(M, N):
         assert rel_err(first[e], ref) < 1e-2, (e, rel_err(first[e], ref))
         # and the operands themselves are e4m3-close to the bf16 rows
         assert rel_err(ref, a[offs[e]:offs[e] + c].double().t() @ b[offs[e]:offs[e] + c].double()) < 6e-2, e
+    # fp32 out (Megatron's main_grad): the scaled fp32 sums are added into it; empty experts add nothing
+    base = torch.randn((len(WGRAD_COUNTS), M, N), generator=gen).to(DEV)
+    out32 = base.clone()
+    ops.expert_wgrad_fp8(a_t, a_s, b_t, b_s, offs_d, cnt, out32, num_ctas=5)
+    for e, c in enumerate(WGRAD_COUNTS):
+        if c == 0:
+            assert torch.equal(out32[e], base[e]), f"expert {e} without rows changed its fp32 out"
+        else:
+            assert_fused_add(out32[e], base[e], first[e], f"fp32 out, expert {e}")
     out = torch.empty((len(WGRAD_COUNTS), M, N), dtype=torch.bfloat16, device=DEV)
     with pytest.raises(RuntimeError, match="scales must be"):
         ops.expert_wgrad_fp8(a_t, a_s[:, :8].contiguous(), b_t, b_s, offs_d, cnt, out)

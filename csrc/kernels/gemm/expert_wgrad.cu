@@ -7,8 +7,9 @@ namespace mok {
 namespace {
 
 // Routed weight gradients (expert_wgrad.cuh): persistent CTAs walk the tasks round-robin.
-// E4m3Operands: the accumulators times a_scale[e][m] * b_scale[e][n] first.
-template <class Ops = xwgrad::Bf16Operands>
+// E4m3Operands: the accumulators times a_scale[e][m] * b_scale[e][n] first. kAddF32: out is fp32
+// and the tiles are added into it (add_task_f32), else out is bf16 and written (store_task_tma).
+template <class Ops, bool kAddF32>
 __global__ void __launch_bounds__(xgemm::kThreads, 1)
     expert_wgrad_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
                         const __grid_constant__ CUtensorMap tmOut, xwgrad::Params p, const float* a_scale,
@@ -34,7 +35,8 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
           // e4m3: the scales' loads are in flight during the MMA
           const auto scales = xwgrad::task_scales<Ops>(p, sm, a_scale, b_scale, xwgrad::decode(p, u), cw);
           xwgrad::mma_task<Ops>(p, sm, cw, xwgrad::decode(p, u), acc, it);
-          xwgrad::store_task_tma(p, sm, &tmOut, xwgrad::decode(p, u), cw, acc, scales);
+          if constexpr (kAddF32) xwgrad::add_task_f32(p, sm, &tmOut, xwgrad::decode(p, u), cw, acc, scales);
+          else xwgrad::store_task_tma(p, sm, &tmOut, xwgrad::decode(p, u), cw, acc, scales);
         }
         if (threadIdx.x % 128 == 0) bulk_wait_all();  // the boxes stay until TMA is done
       });
@@ -61,25 +63,38 @@ const char* check_wgrad_shape(int nseg, int M, int N, const void* out) {
   return nullptr;
 }
 
+// The output map and the kernel instance of a bf16 (written) or fp32 (added into) out.
+template <class Ops>
+const char* launch_wgrad_out(const xwgrad::Params& p, bool out_f32, int num_ctas, cudaStream_t stream,
+                             const CUtensorMap& tmA, const CUtensorMap& tmB, const float* a_scale,
+                             const float* b_scale) {
+  CUtensorMap tmOut;
+  if (const char* m = out_f32 ? xwgrad::make_out_map_f32(&tmOut, p.out, p.nseg, p.M, p.N)
+                              : xwgrad::make_out_map(&tmOut, p.out, p.nseg, p.M, p.N))
+    return m;
+  if (out_f32)
+    return launch_wgrad(expert_wgrad_kernel<Ops, true>, xwgrad::Smem::kBytes, p, num_ctas, stream, tmA, tmB, tmOut,
+                        a_scale, b_scale);
+  return launch_wgrad(expert_wgrad_kernel<Ops, false>, xwgrad::Smem::kBytes, p, num_ctas, stream, tmA, tmB, tmOut,
+                      a_scale, b_scale);
+}
+
 }  // namespace
 
 const char* launch_expert_wgrad(const void* a, int64_t a_rows, int M, const int* a_offsets, const void* b,
                                 int64_t b_rows, int N, const int* b_offsets, const int* counts, int nseg, void* out,
-                                int num_ctas, cudaStream_t stream) {
+                                bool out_f32, int num_ctas, cudaStream_t stream) {
   if (const char* m = check_wgrad_shape(nseg, M, N, out)) return m;
   if (a_rows > (int64_t)1 << 30 || b_rows > (int64_t)1 << 30) return "mok expert_wgrad: too many rows";
   CUtensorMap tmA, tmB;
   if (const char* m = xwgrad::make_operand_maps(&tmA, &tmB, a, a_rows, M, b, b_rows, N)) return m;
   const xwgrad::Params p = xwgrad::make_params(a_offsets, b_offsets, counts, nseg, M, N, out);
-  CUtensorMap tmOut;
-  if (const char* m = xwgrad::make_out_map(&tmOut, out, nseg, M, N)) return m;
-  return launch_wgrad(expert_wgrad_kernel<>, xwgrad::Smem::kBytes, p, num_ctas, stream, tmA, tmB, tmOut, nullptr,
-                      nullptr);
+  return launch_wgrad_out<xwgrad::Bf16Operands>(p, out_f32, num_ctas, stream, tmA, tmB, nullptr, nullptr);
 }
 
 const char* launch_expert_wgrad_fp8(const void* a_t, int M, const float* a_scale, const void* b_t, int N,
                                     const float* b_scale, int64_t ld, const int* offsets, const int* counts, int nseg,
-                                    void* out, int num_ctas, cudaStream_t stream) {
+                                    void* out, bool out_f32, int num_ctas, cudaStream_t stream) {
   if (const char* m = check_wgrad_shape(nseg, M, N, out)) return m;
   if (ld <= 0 || ld % 16 || ld > (int64_t)1 << 30)
     return "mok expert_wgrad_fp8: the transposes' token pitch must be a positive multiple of 16";
@@ -89,10 +104,7 @@ const char* launch_expert_wgrad_fp8(const void* a_t, int M, const float* a_scale
   CUtensorMap tmA, tmB;
   if (const char* m = xwgrad::make_e4m3_operand_maps(&tmA, &tmB, a_t, M, b_t, N, ld)) return m;
   const xwgrad::Params p = xwgrad::make_params(offsets, offsets, counts, nseg, M, N, out);
-  CUtensorMap tmOut;
-  if (const char* m = xwgrad::make_out_map(&tmOut, out, nseg, M, N)) return m;
-  return launch_wgrad(expert_wgrad_kernel<xwgrad::E4m3Operands>, xwgrad::Smem::kBytes, p, num_ctas, stream, tmA,
-                      tmB, tmOut, a_scale, b_scale);
+  return launch_wgrad_out<xwgrad::E4m3Operands>(p, out_f32, num_ctas, stream, tmA, tmB, a_scale, b_scale);
 }
 
 }  // namespace mok

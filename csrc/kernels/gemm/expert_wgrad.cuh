@@ -73,7 +73,7 @@ struct Params {
   int M, N;              // dW[e] is [M, N]
   int m_blocks, n_blocks;
   bool m_fastest;        // consecutive tasks of an expert walk dW's row blocks (decode)
-  __nv_bfloat16* out;    // [nseg, M, N]
+  void* out;             // [nseg, M, N]: bf16 (written) or fp32 (added into)
 };
 
 // Rows of expert e that enter the MMA: the real ones rounded up to kGroup (an MMA's K: 16 bf16, 32
@@ -344,6 +344,66 @@ __device__ __forceinline__ void store_task_tma(const Params& p, const Ring& sm, 
   }
 }
 
+// fp32 epilogue (Megatron's main_grad, gradient-accumulation fusion): out += the task's tile in
+// fp32, so dW is never rounded to bf16 nor written twice. A [64 rows][32 columns] fp32 box has
+// 128-byte rows like the bf16 boxes; the warpgroup's four boxes hold 128 columns, so a task adds its
+// 64 x 256 half in two rounds. Columns 32 b .. 32 b + 31 of the half (b = 0..7) into one swizzled box:
+// acc[4 g + 2 s + h] (layout above) goes to row 16 w + lane / 4 + 8 s, 16-byte chunk 2 (g % 4) +
+// (lane % 4) / 2 at c ^ (r % 8), bytes 8 (lane % 2) .. +7.
+template <class Slice>
+__device__ __forceinline__ void stage_box_f32(uint32_t box, const float (&acc)[128], int b, int w, int lane,
+                                              const Slice& scale) {
+#pragma unroll
+  for (int gg = 0; gg < 4; ++gg) {
+    const int g = 4 * b + gg;
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const int row = 16 * w + lane / 4 + 8 * s;
+      const int chunk = 2 * gg + (lane % 4) / 2;
+      const uint32_t addr = box + row * 128 + ((chunk ^ (row % 8)) << 4) + (lane % 2) * 8;
+      const float v0 = scale(g % 8, 2 * s, acc[4 * g + 2 * s]);
+      const float v1 = scale(g % 8, 2 * s + 1, acc[4 * g + 2 * s + 1]);
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(v0), "f"(v1) : "memory");
+    }
+  }
+}
+
+// out (fp32, viewed as [nseg][M][N]) += the warpgroup's 64 x 256 half, by TMA reduce-adds of the
+// boxes above. An expert without rows adds nothing.
+template <class Ring, class Scale = Unscaled>
+__device__ __forceinline__ void add_task_f32(const Params& p, const Ring& sm, const CUtensorMap* tmOut,
+                                             const Task& t, int cw, const float (&acc)[128],
+                                             const Scale& scale = Scale{}) {
+  if (k_rows(p, t.seg) == 0) return;
+  const int tid = threadIdx.x % 128;
+  const int w = tid / 32, lane = tid % 32;
+  const int bar = 2 + cw;
+  const uint32_t boxes = smem_u32(sm.out(cw));
+  scale.stage();  // the previous task's slices were read before its closing barrier
+#pragma unroll
+  for (int round = 0; round < 2; ++round) {
+    if (tid == 0) bulk_wait_read_all();  // TMA has read the boxes' previous contents
+    warpgroup_bar_sync(bar);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int sl = 2 * round + i;  // 64-column slice: boxes 2 sl and 2 sl + 1
+      const auto sc = scale.slice(sl);
+      stage_box_f32(boxes + (2 * i) * kBoxBytes, acc, 2 * sl, w, lane, sc);
+      stage_box_f32(boxes + (2 * i + 1) * kBoxBytes, acc, 2 * sl + 1, w, lane, sc);
+    }
+    fence_proxy_async_shared();
+    warpgroup_bar_sync(bar);
+    if (tid == 0) {
+      const uint64_t policy = l2_evict_first_policy();  // as store_task_tma: keep the operands in L2
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        tma_add_3d(tmOut, sm.out(cw) + i * kBoxBytes, t.nb * WN + 128 * round + 32 * i, t.mb * WM + cw * 64, t.seg,
+                   policy);
+      bulk_commit_group();
+    }
+  }
+}
+
 // ---- host side -----------------------------------------------------------------------------------
 
 inline Params make_params(const int* a_offsets, const int* b_offsets, const int* counts, int nseg, int M, int N,
@@ -358,7 +418,7 @@ inline Params make_params(const int* a_offsets, const int* b_offsets, const int*
   p.m_blocks = (M + WM - 1) / WM;
   p.n_blocks = (N + WN - 1) / WN;
   p.m_fastest = M < N;  // A ([rows, M]) is the narrower operand
-  p.out = static_cast<__nv_bfloat16*>(out);
+  p.out = out;
   return p;
 }
 
@@ -369,6 +429,14 @@ inline const char* make_out_map(CUtensorMap* map, void* out, int nseg, int M, in
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(N) * 2, static_cast<cuuint64_t>(M) * N * 2};
   const cuuint32_t box[3] = {64, 64, 1};
   return encode_tmap_bf16(map, out, 3, dims, strides, box);
+}
+
+// The fp32 epilogue's out [nseg][M][N] in boxes of 64 rows x 32 columns (add_task_f32).
+inline const char* make_out_map_f32(CUtensorMap* map, void* out, int nseg, int M, int N) {
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(N), static_cast<cuuint64_t>(M), static_cast<cuuint64_t>(nseg)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(N) * 4, static_cast<cuuint64_t>(M) * N * 4};
+  const cuuint32_t box[3] = {32, 64, 1};
+  return encode_tmap(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, CU_TENSOR_MAP_SWIZZLE_128B, out, 3, dims, strides, box);
 }
 
 // The operands [a_rows, M] and [b_rows, N] in boxes of 64 rows (K) x 64 columns (MN-major).
