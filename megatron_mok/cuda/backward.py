@@ -232,7 +232,7 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx: KernelCo
 
 
 def fused_main_grad(main_grads, i: int, shape, device):
-    """``main_grads[i]`` when a routed weight-gradient GEMM can add into it itself (fp32, contiguous,
+    """``main_grads[i]`` when its weight-gradient GEMM can add into it itself (fp32, contiguous,
     ``shape``, on ``device``), else None (then the bf16 gradient is added after the GEMM)."""
     main = None if main_grads is None else main_grads[i]
     dev = torch.device(device)
