@@ -235,8 +235,7 @@ def fused_main_grad(main_grads, i: int, shape, device):
     """``main_grads[i]`` when its weight-gradient GEMM can add into it itself (fp32, contiguous,
     ``shape``, on ``device``), else None (then the bf16 gradient is added after the GEMM)."""
     main = None if main_grads is None else main_grads[i]
-    dev = torch.device(device)
     if main is None or main.dtype != torch.float32 or not main.is_contiguous() or tuple(main.shape) != tuple(shape) \
-            or main.device.type != dev.type or (dev.index is not None and main.device.index != dev.index):
+            or main.device != device:
         return None
     return main

@@ -1,6 +1,4 @@
 // The routed experts' weight gradients (expert_wgrad.cuh), bf16 and e4m3.
-#include <algorithm>
-
 #include "gemm/expert_wgrad.cuh"
 
 namespace mok {
@@ -50,9 +48,7 @@ const char* launch_wgrad(Kernel kernel, int smem, const xwgrad::Params& p, int n
   cudaLaunchConfig_t cfg = launch_config(xgemm::kThreads, smem, stream, false, nullptr);
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
     return "mok expert_wgrad: cannot raise the shared-memory limit";
-  const int64_t tasks = (int64_t)p.nseg * p.m_blocks * p.n_blocks;
-  const int ctas = num_ctas > 0 ? num_ctas : num_sms();
-  cfg.gridDim = dim3(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ctas, tasks))));
+  cfg.gridDim = persistent_grid(num_ctas, num_sms(), (int64_t)p.nseg * p.m_blocks * p.n_blocks, false);
   return launch_ex(cfg, kernel, tmA, tmB, tmOut, p, a_scale, b_scale);
 }
 

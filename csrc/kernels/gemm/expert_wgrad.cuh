@@ -313,6 +313,25 @@ __device__ __forceinline__ void stage_box(uint32_t box, const float (&acc)[128],
   }
 }
 
+// One round of a TMA-store epilogue on the warpgroup's four boxes: wait until TMA has read their
+// previous contents, stage() fills them, then one thread hands them to TMA, issue(policy), as one bulk
+// group. The policy is evict-first: the output is written once and not read here, so the operands
+// that the expert's other tasks read again stay in L2.
+template <class Stage, class Issue>
+__device__ __forceinline__ void box_round(int cw, Stage&& stage, Issue&& issue) {
+  const int tid = threadIdx.x % 128;
+  const int bar = 2 + cw;
+  if (tid == 0) bulk_wait_read_all();
+  warpgroup_bar_sync(bar);
+  stage();
+  fence_proxy_async_shared();
+  warpgroup_bar_sync(bar);
+  if (tid == 0) {
+    issue(l2_evict_first_policy());
+    bulk_commit_group();
+  }
+}
+
 // TMA stores: the warpgroup's 64 x 256 half as four swizzled [64 rows][64 columns] boxes (128-byte
 // rows, 16-byte chunk c of row r at c ^ (r % 8), the TMA SWIZZLE_128B layout), stored into out
 // viewed as [nseg][M][N] (rows past M, columns past N are not written).
@@ -322,26 +341,21 @@ __device__ __forceinline__ void store_task_tma(const Params& p, const Ring& sm, 
                                                const Scale& scale = Scale{}) {
   const int tid = threadIdx.x % 128;
   const int w = tid / 32, lane = tid % 32;
-  const int bar = 2 + cw;
   const uint32_t boxes = smem_u32(sm.out(cw));
   scale.stage();  // the previous task's slices were read before its closing barrier
-  if (tid == 0) bulk_wait_read_all();  // TMA has read the previous task's boxes
-  warpgroup_bar_sync(bar);
   const bool zero = k_rows(p, t.seg) == 0;  // an expert without rows: exact zeros, the accumulators unread
+  box_round(
+      cw,
+      [&] {
 #pragma unroll
-  for (int sl = 0; sl < WN / 64; ++sl)
-    stage_box(boxes + sl * kBoxBytes, acc, sl, w, lane, zero, scale.slice(sl));
-  fence_proxy_async_shared();
-  warpgroup_bar_sync(bar);
-  if (tid == 0) {
-    // dW is written once and not read here: evict it first, so the operands that the expert's other
-    // tasks read again stay in L2
-    const uint64_t policy = l2_evict_first_policy();
+        for (int sl = 0; sl < WN / 64; ++sl)
+          stage_box(boxes + sl * kBoxBytes, acc, sl, w, lane, zero, scale.slice(sl));
+      },
+      [&](uint64_t policy) {
 #pragma unroll
-    for (int i = 0; i < WN / 64; ++i)
-      tma_store_3d(tmOut, sm.out(cw) + i * kBoxBytes, t.nb * WN + 64 * i, t.mb * WM + cw * 64, t.seg, policy);
-    bulk_commit_group();
-  }
+        for (int i = 0; i < WN / 64; ++i)
+          tma_store_3d(tmOut, sm.out(cw) + i * kBoxBytes, t.nb * WN + 64 * i, t.mb * WM + cw * 64, t.seg, policy);
+      });
 }
 
 // fp32 epilogue (Megatron's main_grad, gradient-accumulation fusion): out += the task's tile in
@@ -377,31 +391,27 @@ __device__ __forceinline__ void add_task_f32(const Params& p, const Ring& sm, co
   if (k_rows(p, t.seg) == 0) return;
   const int tid = threadIdx.x % 128;
   const int w = tid / 32, lane = tid % 32;
-  const int bar = 2 + cw;
   const uint32_t boxes = smem_u32(sm.out(cw));
   scale.stage();  // the previous task's slices were read before its closing barrier
 #pragma unroll
-  for (int round = 0; round < 2; ++round) {
-    if (tid == 0) bulk_wait_read_all();  // TMA has read the boxes' previous contents
-    warpgroup_bar_sync(bar);
+  for (int round = 0; round < 2; ++round)
+    box_round(
+        cw,
+        [&] {
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int sl = 2 * round + i;  // 64-column slice: boxes 2 sl and 2 sl + 1
-      const auto sc = scale.slice(sl);
-      stage_box_f32(boxes + (2 * i) * kBoxBytes, acc, 2 * sl, w, lane, sc);
-      stage_box_f32(boxes + (2 * i + 1) * kBoxBytes, acc, 2 * sl + 1, w, lane, sc);
-    }
-    fence_proxy_async_shared();
-    warpgroup_bar_sync(bar);
-    if (tid == 0) {
-      const uint64_t policy = l2_evict_first_policy();  // as store_task_tma: keep the operands in L2
+          for (int i = 0; i < 2; ++i) {
+            const int sl = 2 * round + i;  // 64-column slice: boxes 2 sl and 2 sl + 1
+            const auto sc = scale.slice(sl);
+            stage_box_f32(boxes + (2 * i) * kBoxBytes, acc, 2 * sl, w, lane, sc);
+            stage_box_f32(boxes + (2 * i + 1) * kBoxBytes, acc, 2 * sl + 1, w, lane, sc);
+          }
+        },
+        [&](uint64_t policy) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        tma_add_3d(tmOut, sm.out(cw) + i * kBoxBytes, t.nb * WN + 128 * round + 32 * i, t.mb * WM + cw * 64, t.seg,
-                   policy);
-      bulk_commit_group();
-    }
-  }
+          for (int i = 0; i < 4; ++i)
+            tma_add_3d(tmOut, sm.out(cw) + i * kBoxBytes, t.nb * WN + 128 * round + 32 * i, t.mb * WM + cw * 64,
+                       t.seg, policy);
+        });
 }
 
 // ---- host side -----------------------------------------------------------------------------------
