@@ -412,10 +412,14 @@ def make_case(shape: str, T: int, routing: str, seed: int, dev):
     bf = torch.bfloat16
 
     def w_(*s, fan):
-        # the values of (randn / fan**0.5).to(bf16), the division in place: DeepSeek-V3's fc1 at EP=1
-        # is a 28 GiB fp32 draw, and an out-of-place division would hold a second one (56 GiB + 14)
-        w = torch.randn(*s, device=dev, generator=g)
-        return w.div_(fan**0.5).to(bf)
+        # (randn / fan**0.5) in bf16, drawn a slice of the first dim at a time, so that no fp32 draw
+        # holds more than 2 GiB beside the bf16 weights (DeepSeek-V4-Pro's fc1 at EP=1 is 63 GiB in
+        # fp32, which with its 31.5 GiB bf16 copy does not fit an 80 GB GPU)
+        w = torch.empty(*s, dtype=bf, device=dev)
+        per = max(1, (1 << 29) // w[0].numel())
+        for i in range(0, s[0], per):
+            w[i:i + per] = torch.randn(min(per, s[0] - i), *s[1:], device=dev, generator=g).div_(fan**0.5)
+        return w
 
     fc1, fc2 = w_(nle, 2 * I, H, fan=H), w_(nle, H, I, fan=I)
     sfc1, sfc2 = w_(2 * I, H, fan=H), w_(H, I, fan=I)
@@ -1238,9 +1242,8 @@ def collect_routing_stats(shapes, tokens, routings, seed: int, dev) -> dict:
 #
 #   inputs (every row):  fc1 256 x 4096 x 7168 bf16 = 14.0 GiB, fc2 256 x 7168 x 2048 = 7.0 GiB:
 #                        21.0 GiB (22.5 GB); shared expert 84 MiB; x 56 MiB (T=4096) / 112 MiB (8192).
-#                        fc1 is drawn in fp32 first: 28 GiB + its 14 GiB bf16 copy for a moment (the
-#                        division is in place; out of place it was 56 + 14). So a token count's inputs
-#                        are built only after the previous one's are freed (~42 GiB free needed then).
+#                        The weights are drawn in fp32 2 GiB at a time into their bf16 tensors, and a
+#                        token count's inputs are built only after the previous one's are freed.
 #   weight gradients:    --pass bwd: dfc1 14.0 + dfc2 7.0 = 21.0 GiB bf16, alive during each backward.
 #   e4m3 weight copies:  fp8 rows: fc1 7.0 + fc2 3.5 = 10.5 GiB; --pass bwd adds the transposes the
 #                        e4m3 dgrads read: 21.0 GiB (scales < 10 MiB). Made once; the quantization is

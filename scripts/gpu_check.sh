@@ -141,6 +141,7 @@ if stage e2e && [[ "$NGPU" -ge 1 ]]; then
     --timeout "${E2E_BACKEND_LIMIT:-240}" --python python3 --out "$e2e_out" ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log" | tail -30
   RESULT[e2e]="rc=${PIPESTATUS[0]} ($(elapsed $t0))"
   cp "$e2e_out"/compare.{json,md,png} "$OUT/" 2>/dev/null || true
+  tar -czf "$OUT/e2e_logs.tar.gz" -C "$e2e_out" logs 2>/dev/null || true  # for compare_backends.py --from-logs
 fi
 
 echo
