@@ -13,15 +13,18 @@
     python scripts/compare_backends.py --launcher srun --config configs/deepseek-v3.args ...
 
     # soak: 500 steps with --deterministic-mode, mok twice (bitwise parameter digests every 100
-    # steps), loss agreement, NaN/inf, throughput of steps 400-500 against 100-200
+    # steps), alltoall and its noise control (alltoall_control), loss agreement, NaN/inf,
+    # throughput of steps 400-500 against 100-200
     python scripts/compare_backends.py --config configs/deepseek-v3-1gpu.args --soak \
         --backends mok,alltoall --rerun mok --iters 500
 
     # only re-report existing logs (e.g. of scripts/slurm/train.sbatch runs, or soak runs made
-    # one backend per command): name a second run of B "B_rerun" for the bitwise check
+    # one backend per command): name a second run of B "B_rerun" for the bitwise check, and the
+    # noise control of B "B_control"
     python scripts/compare_backends.py --from-logs mok=runs/a/logs/train.0.log alltoall=runs/b/logs/train.0.log
 
-Anything after ``--`` is passed to Megatron (after the config, so it overrides it).
+Anything after ``--`` is passed to Megatron (after the config, so it overrides it); with --from-logs
+it is only recorded, as the flags the logs were run with over the config.
 
 Backends: Megatron's --moe-backend choices (mok, alltoall, allgather, hybridep, deepep) and
   mok_fp8       mok with --mok-precision fp8 (block-scaled e4m3 expert GEMMs)
@@ -58,14 +61,17 @@ are bitwise identical: the same logged loss curve and, with --param-digest-every
 per-rank digest of every parameter's bits every N iterations (Megatron flag
 --mok-param-digest-every N of megatron_mok).
 
---soak (defaults: --iters 500, --param-digest-every 100, Megatron --deterministic-mode) checks:
-  * the loss curves of all backends agree with the first one within BF16 noise: first iteration
-    (same weights, same batch, only the rounding order differs) within 2**-7 relative (two bf16
-    ulps); afterwards the 10-iteration moving averages within 2 % of the loss (at least 0.02
-    absolute), because rounding differences compound through Adam and the curves drift apart
-    slowly, while a real error (a wrong gradient, a lost token, a mis-scaled expert) opens a
-    systematic gap well beyond that within tens of steps. The raw per-iteration maximum
-    difference is reported too;
+--soak (defaults: --iters 500, --param-digest-every 100, Megatron --deterministic-mode,
+--noise-control alltoall) checks:
+  * the loss curves of all backends agree with the first one within BF16 noise. First iteration
+    (same weights, same batch, only the rounding order differs): within 2**-7 relative (two bf16
+    ulps). Afterwards rounding differences compound through Adam, and where the loss spikes from
+    step to step they decorrelate the per-iteration losses of two correct runs entirely; so the
+    curves are compared as means over windows of iters/10 iterations, against the noise that
+    rounding alone makes in the same recipe: the noise control B_control trains B once more with
+    only the router's float precision changed (--moe-router-dtype fp32 <-> fp64), and a backend's
+    worst window may differ by at most twice the control's worst window from B (at least 2 %).
+    Without a control the bound is 2 %. The raw per-iteration maximum difference is reported too;
   * no NaN or inf in the loss or the grad norm (and no skipped/NaN iterations);
   * a rerun (--rerun) has bitwise identical parameter digests at every digest iteration;
   * the median step time of iterations 400-500 is within 2 % of iterations 100-200 (the windows
@@ -695,20 +701,38 @@ def retime(log, summary: dict, warmup: int, exclude: set) -> dict:
 
 
 SOAK_FIRST_ITER_REL_TOL = 2.0 ** -7  # two bf16 ulps, relative
-SOAK_AVG_REL_TOL = 0.02  # 10-iteration moving averages, relative to the loss
-SOAK_AVG_ABS_FLOOR = 0.02
-SOAK_AVG_WINDOW = 10
+SOAK_LOSS_REL_FLOOR = 0.02  # window means: a relative gap always allowed
+SOAK_NOISE_FACTOR = 2.0  # window means: times the noise control's worst relative gap
 SOAK_THROUGHPUT_TOL = 0.02
+NOISE_CONTROL_SUFFIX = "_control"
 
 
-def _moving_average(curve: dict, window: int) -> dict:
-    its = sorted(curve)
-    out = {}
-    for n, it in enumerate(its):
-        if n + 1 >= window:
-            vals = [curve[i] for i in its[n + 1 - window:n + 1]]
-            out[it] = sum(vals) / window
+def loss_windows(iters: int) -> int:
+    """Iterations per window of the soak's loss comparison: 50 for 500 iterations."""
+    return max(5, iters // 10)
+
+
+def window_gaps(curve: dict, ref_curve: dict, iters: int) -> list[dict]:
+    """Per window (a, b] of loss_windows(iters) iterations: the two curves' means over their common
+    iterations and the gap relative to the reference's mean (windows with fewer than half their
+    iterations in common are left out)."""
+    w = loss_windows(iters)
+    out = []
+    for a in range(0, iters, w):
+        its = [i for i in range(a + 1, a + w + 1) if i in curve and i in ref_curve]
+        if 2 * len(its) < w:
+            continue
+        m, m_ref = statistics.fmean(curve[i] for i in its), statistics.fmean(ref_curve[i] for i in its)
+        out.append({"window": [a, a + w], "mean": m, "ref_mean": m_ref,
+                    "rel_gap": abs(m - m_ref) / max(abs(m_ref), 1e-12)})
     return out
+
+
+def noise_control_args(cfg_args: list[str]) -> list[str]:
+    """The Megatron flags of the soak's noise control: the same run with the router (routing scores
+    and the experts' weighted sum) computed in the other float precision, fp32 <-> fp64. Only the
+    rounding changes, so its gap from the plain run is what rounding alone opens in this recipe."""
+    return ["--moe-router-dtype", "fp32" if _flag_value(cfg_args, "--moe-router-dtype") == "fp64" else "fp64"]
 
 
 def soak_windows(iters: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -723,6 +747,25 @@ def soak_checks(results: dict, log_fields: dict, iters: int, digest_every: int) 
     early, late = soak_windows(iters)
     ref = next(iter(ok), None)
     ref_curve = dict((int(i), l) for i, l in ok[ref]["loss_curve"]) if ref else {}
+    # the noise control: B_control against B (noise_control_args) sets the loss tolerance
+    ctrl = next((b for b in ok if b.endswith(NOISE_CONTROL_SUFFIX) and b[: -len(NOISE_CONTROL_SUFFIX)] in ok), None)
+    noise = None
+    if ctrl is not None:
+        base = ctrl[: -len(NOISE_CONTROL_SUFFIX)]
+        gaps = window_gaps({int(i): l for i, l in ok[ctrl]["loss_curve"]},
+                           {int(i): l for i, l in ok[base]["loss_curve"]}, iters)
+        if gaps:
+            worst = max(gaps, key=lambda g: g["rel_gap"])
+            noise = {"control": ctrl, "of": base, "max_rel_gap": worst["rel_gap"], "window": worst["window"],
+                     "window_gaps": gaps}
+    if noise is not None:
+        loss_tol = max(SOAK_LOSS_REL_FLOOR, SOAK_NOISE_FACTOR * noise["max_rel_gap"])
+        tol_why = (f"{SOAK_NOISE_FACTOR:g} x the noise control's worst window, {noise['control']} vs "
+                   f"{noise['of']}: {100 * noise['max_rel_gap']:.1f} % at {noise['window'][0] + 1}-"
+                   f"{noise['window'][1]}; at least {100 * SOAK_LOSS_REL_FLOOR:g} %")
+    else:
+        loss_tol = SOAK_LOSS_REL_FLOOR
+        tol_why = f"{100 * SOAK_LOSS_REL_FLOOR:g} %: no noise control ran"
     per_backend = {}
     for b, r in results.items():
         pb = per_backend[b] = {"status": r["status"]}
@@ -766,8 +809,8 @@ def soak_checks(results: dict, log_fields: dict, iters: int, digest_every: int) 
                 "detail": f"median {t_early:.1f} ms -> {t_late:.1f} ms ({100 * drift:+.2f} %)"}
         else:
             checks[f"{b}: throughput windows"] = {"ok": False, "detail": f"too few iterations for {early} and {late}"}
-        # loss agreement with the reference
-        if b != ref and not b.endswith("_rerun"):
+        # loss agreement with the reference (the noise control and reruns are not compared)
+        if b != ref and not b.endswith(("_rerun", NOISE_CONTROL_SUFFIX)):
             common = sorted(set(curve) & set(ref_curve))
             diffs = [abs(curve[i] - ref_curve[i]) for i in common]
             pb["loss_max_abs_diff_vs_" + ref] = max(diffs) if diffs else None
@@ -779,20 +822,19 @@ def soak_checks(results: dict, log_fields: dict, iters: int, digest_every: int) 
                     "ok": rel0 <= SOAK_FIRST_ITER_REL_TOL,
                     "detail": f"{curve[i0]:.6f} vs {ref_curve[i0]:.6f}: {rel0:.2e} relative "
                               f"(tolerance 2**-7 = {SOAK_FIRST_ITER_REL_TOL:.2e})"}
-            ma, ma_ref = _moving_average(curve, SOAK_AVG_WINDOW), _moving_average(ref_curve, SOAK_AVG_WINDOW)
-            worst, worst_it, worst_tol = 0.0, None, None
-            for i in sorted(set(ma) & set(ma_ref)):
-                tol = max(SOAK_AVG_REL_TOL * abs(ma_ref[i]), SOAK_AVG_ABS_FLOOR)
-                if worst_it is None or abs(ma[i] - ma_ref[i]) / tol > worst / worst_tol:
-                    worst, worst_it, worst_tol = abs(ma[i] - ma_ref[i]), i, tol
-            if worst_it is not None:
-                pb["loss_moving_average_max_diff"] = worst
-                checks[f"{b}: loss curve vs {ref} (10-iteration averages)"] = {
-                    "ok": worst <= worst_tol,
-                    "detail": f"worst at iteration {worst_it}: |diff| {worst:.4f}, tolerance {worst_tol:.4f} "
-                              f"(2 % of the loss, at least {SOAK_AVG_ABS_FLOOR})"}
+            gaps = window_gaps(curve, ref_curve, iters)
+            pb["loss_window_gaps"] = gaps
+            name = f"{b}: loss curve vs {ref} ({loss_windows(iters)}-iteration means)"
+            if gaps:
+                worst = max(gaps, key=lambda g: g["rel_gap"])
+                pb["loss_window_max_rel_gap"] = worst["rel_gap"]
+                checks[name] = {
+                    "ok": worst["rel_gap"] <= loss_tol,
+                    "detail": f"worst window {worst['window'][0] + 1}-{worst['window'][1]}: "
+                              f"{worst['mean']:.4g} vs {worst['ref_mean']:.4g}, {100 * worst['rel_gap']:.1f} %; "
+                              f"tolerance {100 * loss_tol:.1f} % ({tol_why})"}
             else:
-                checks[f"{b}: loss curve vs {ref}"] = {"ok": False, "detail": "no common iterations"}
+                checks[name] = {"ok": False, "detail": "no common iterations"}
         rerun = r.get("bitwise_vs_first_run")
         if b.endswith("_rerun"):
             digests_ok = bool(rerun) and rerun["param_digests_identical"] is True
@@ -806,17 +848,24 @@ def soak_checks(results: dict, log_fields: dict, iters: int, digest_every: int) 
         "iters": iters,
         "param_digest_every": digest_every,
         "loss_reference": ref,
+        "noise_control": noise,
         "tolerances": {
             "first_iteration_relative": SOAK_FIRST_ITER_REL_TOL,
-            "moving_average_window": SOAK_AVG_WINDOW,
-            "moving_average_relative": SOAK_AVG_REL_TOL,
-            "moving_average_absolute_floor": SOAK_AVG_ABS_FLOOR,
+            "loss_window_iterations": loss_windows(iters),
+            "loss_window_relative": loss_tol,
+            "loss_window_relative_floor": SOAK_LOSS_REL_FLOOR,
+            "noise_factor": SOAK_NOISE_FACTOR,
             "throughput_relative": SOAK_THROUGHPUT_TOL,
             "why": "bf16 keeps 8 significant bits (one ulp = 2**-8 relative): with the same weights and "
-                   "batch, two backends that only round differently give losses within ~1-2 ulps; over "
-                   "training the rounding differences compound through Adam, so later the curves are "
-                   "compared as 10-iteration averages within 2 % - a real error opens a systematic gap "
-                   "beyond that within tens of steps",
+                   "batch, two backends that only round differently give first-iteration losses within ~1-2 "
+                   "ulps. Afterwards the rounding differences compound through Adam, and where the loss "
+                   "spikes from step to step they decorrelate the per-iteration losses of two correct runs "
+                   "entirely; so the curves are compared as window means, against the gap that rounding "
+                   "alone opens in the same recipe: the noise control, one backend trained again with only "
+                   "the router's float precision changed (fp32 <-> fp64). A backend passes when its worst "
+                   "window is within twice the control's worst window (one control run is one sample of that "
+                   "noise, hence the margin), and always within 2 %; a real error (a wrong gradient, a lost "
+                   "token, a mis-scaled expert) shifts the curve beyond what rounding does",
         },
         "backends": per_backend,
         "checks": checks,
@@ -982,12 +1031,52 @@ def write_markdown(report: dict, path: Path, png_name: str | None) -> None:
                   f"Tolerances: {soak['tolerances']['why']}.", "", "| check | result | detail |", "|---|---|---|"]
         for name, c in soak["checks"].items():
             lines.append(f"| {name} | {'ok' if c['ok'] else 'FAIL'} | {(c.get('detail') or '').replace('|', '/')} |")
+        lines += _window_table(soak, ref)
     if png_name:
         lines += ["", f"![loss and throughput]({png_name})"]
     elif report.get("png_error"):
         lines += ["", f"No plot: {report['png_error']}"]
     lines += ["", "Logs: " + ", ".join(f"`{r['log']}`" for r in backends.values() if r.get("log")), ""]
     path.write_text("\n".join(lines))
+
+
+def _window_table(soak: dict, ref: str | None) -> list[str]:
+    """The soak's loss window means: the reference's, and each compared run's gap (the noise
+    control's from its own backend)."""
+    cols = [(b, pb["loss_window_gaps"]) for b, pb in soak["backends"].items() if pb.get("loss_window_gaps")]
+    noise = soak.get("noise_control")
+    if noise:
+        cols.append((f"{noise['control']} vs {noise['of']}", noise["window_gaps"]))
+    if not cols:
+        return []
+    base = ref if cols[0][0] in soak["backends"] else noise["of"]
+    rows = {tuple(g["window"]): g["ref_mean"] for g in cols[0][1]}
+    lines = ["", f"Loss: {base}'s window means and the relative gaps from them (the noise control's from its own "
+             "backend):", "", f"| iterations | {base} | " + " | ".join(c for c, _ in cols) + " |",
+             "|---|---:|" + "---:|" * len(cols)]
+    for w, m in rows.items():
+        cells = []
+        for _, gaps in cols:
+            g = next((g for g in gaps if tuple(g["window"]) == w), None)
+            cells.append("–" if g is None else f"{100 * g['rel_gap']:.1f} %")
+        lines.append(f"| {w[0] + 1}-{w[1]} | {m:.4g} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _soak_window_means(report: dict) -> dict:
+    """backend -> [(window end, mean loss)] of the soak's loss windows (reference and noise control too)."""
+    soak = report.get("soak") or {}
+    out = {}
+    for b, pb in (soak.get("backends") or {}).items():
+        gaps = pb.get("loss_window_gaps")
+        if gaps:
+            out.setdefault(report.get("reference_backend"), [(g["window"][1], g["ref_mean"]) for g in gaps])
+            out[b] = [(g["window"][1], g["mean"]) for g in gaps]
+    noise = soak.get("noise_control")
+    if noise:
+        out.setdefault(noise["of"], [(g["window"][1], g["ref_mean"]) for g in noise["window_gaps"]])
+        out[noise["control"]] = [(g["window"][1], g["mean"]) for g in noise["window_gaps"]]
+    return out
 
 
 def write_png(report: dict, path: Path) -> str | None:
@@ -1009,6 +1098,8 @@ def write_png(report: dict, path: Path) -> str | None:
     ax1.set_xlabel("iteration")
     ax1.set_ylabel("lm loss")
     ax1.set_title("loss")
+    if all(c[1] > 0 for b in names for c in report["backends"][b].get("loss_curve") or []):
+        ax1.set_yscale("log")  # a long run's late loss is orders of magnitude below its start
     if any(report["backends"][b].get("loss_curve") for b in names):
         ax1.legend()
     vals = [report["backends"][b].get("tokens_per_s_per_gpu") or 0.0 for b in names]
@@ -1019,6 +1110,8 @@ def write_png(report: dict, path: Path) -> str | None:
         if r.get("speedup_vs_alltoall") and b != "alltoall":
             label += f"\n{r['speedup_vs_alltoall']:.2f}x"
         ax2.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
+    if any(vals):
+        ax2.set_ylim(top=1.2 * max(vals))  # room for the labels below the title
     ax2.set_ylabel("tokens / s / GPU")
     ax2.set_title(f"throughput (median step, first {report.get('warmup', '?')} iters excluded)")
     mem = [(report["backends"][b].get("peak_memory_mib") or 0.0) if report["backends"][b]["status"] == "ok" else 0.0
@@ -1044,6 +1137,14 @@ def write_png(report: dict, path: Path) -> str | None:
         ax4.set_ylabel("ms per profiled step")
         ax4.legend(fontsize=8)
         ax4.set_title("step breakdown (torch profiler)")
+    elif _soak_window_means(report):
+        for n, (b, pts) in enumerate(_soak_window_means(report).items()):
+            ax4.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linewidth=1, label=b)
+        ax4.set_yscale("log")
+        ax4.set_xlabel("iteration (window end)")
+        ax4.set_ylabel("mean lm loss")
+        ax4.legend(fontsize=8)
+        ax4.set_title(f"soak: {report['soak']['tolerances']['loss_window_iterations']}-iteration loss means")
     else:
         ax4.text(0.5, 0.5, "not profiled\n(--profile-iters S:E)", ha="center", va="center")
         ax4.set_axis_off()
@@ -1147,6 +1248,10 @@ def parse_args(argv):
     p.add_argument("--soak", action="store_true",
                    help="soak checks (loss agreement, NaN/inf, bitwise reruns, throughput drift); adds Megatron's "
                         "--deterministic-mode")
+    p.add_argument("--noise-control", default=None, metavar="BACKEND",
+                   help="with --soak: train BACKEND once more with the router in the other float precision "
+                        "(reported as BACKEND_control); its gap from BACKEND is the loss tolerance's noise "
+                        "(default alltoall if among --backends, else the first; none: no control)")
     p.add_argument("--from-logs", nargs="+", metavar="BACKEND=LOG",
                    help="no training: report these existing logs")
     p.add_argument("--traces", nargs="+", metavar="BACKEND=TRACE", default=[],
@@ -1159,6 +1264,9 @@ def parse_args(argv):
         a.iters = 500 if a.soak else 20
     if a.param_digest_every is None:
         a.param_digest_every = 100 if a.soak else 0
+    if a.noise_control is None and a.soak:
+        names = [b.strip() for b in a.backends.split(",") if b.strip()]
+        a.noise_control = "alltoall" if "alltoall" in names else (names[0] if names else "none")
     return a, p
 
 
@@ -1202,7 +1310,8 @@ def main(argv=None) -> int:
         iters = any_r.get("train_iters")
         meta = {"config_name": a.config and Path(a.config).stem or "from-logs", "world_size": any_r.get("world_size"),
                 "iters": iters, "warmup": a.warmup, "created": stamp,
-                "logs": {b: str(lp) for b, lp in pairs}}
+                "logs": {b: str(lp) for b, lp in pairs}, "extra_args": a.extra,
+                "command": " ".join([Path(sys.executable).name, *sys.argv])}
         if exclude:
             meta["profile_excluded"] = sorted(exclude)
         soak = {"fields": fields, "iters": iters or a.iters, "digest_every": a.param_digest_every} if a.soak else None
@@ -1229,6 +1338,9 @@ def main(argv=None) -> int:
     reruns = [b.strip() for b in a.rerun.split(",") if b.strip()]
     if any(b not in backends for b in reruns):
         parser.error(f"--rerun {a.rerun}: every rerun backend must also be in --backends ({a.backends})")
+    control = a.noise_control if a.noise_control not in (None, "none") else None
+    if control is not None and (not a.soak or control not in backends):
+        parser.error(f"--noise-control {control}: needs --soak and a backend of --backends ({a.backends})")
     python = a.python or default_python()
     if not shutil.which(python) and not Path(python).exists():
         parser.error(f"python interpreter not found: {python}")
@@ -1279,7 +1391,11 @@ def main(argv=None) -> int:
     meta["param_digest_every"] = a.param_digest_every
     meta["soak"] = a.soak
     results, fields = {}, {}
-    for name, b in [(b, b) for b in backends] + [(f"{b}_rerun", b) for b in reruns]:
+    runs = [(b, b) for b in backends] + [(f"{b}_rerun", b) for b in reruns]
+    if control is not None:
+        runs.append((control + NOISE_CONTROL_SUFFIX, control))
+    meta["noise_control"] = control
+    for name, b in runs:
         spec = backend_args(b, gpu=gpus > 0, strict=not a.no_strict)
         moe_backend, variant_args = spec if spec is not None else (BACKEND_VARIANTS[b][0], None)
         if variant_args is None:
@@ -1291,6 +1407,8 @@ def main(argv=None) -> int:
         if profile:
             tail += profile_megatron_args(*profile, out / "profile" / name / "tb")
         tail += a.extra
+        if name.endswith(NOISE_CONTROL_SUFFIX):
+            tail += noise_control_args(cfg_args + a.extra)
         print(f"[compare] {name}: {world} ranks ({launcher}) ...", file=sys.stderr, flush=True)
         if launcher == "local":
             rc, wall, lp = run_local(tail, nproc, python, a.entry, log_dir, name, a.timeout, {}, not a.no_rank_stats)

@@ -148,7 +148,8 @@ def _fake_entry(tmp_path: Path) -> Path:
 
     With --profile it copies $FAKE_TRACE to <tensorboard-dir>/../torch_profile/rank-0.json.gz (as
     Megatron's trace handler names it); FAKE_SLOWDOWN makes later iterations slower, FAKE_LOSS_GAP
-    shifts alltoall's loss."""
+    shifts alltoall's loss, FAKE_CONTROL_NOISE the loss of a run with the router in fp64 (both
+    growing from 0 at the first iteration to the value at the last, as rounding differences do)."""
     d = tmp_path / "fakeentry"
     d.mkdir()
     (d / "fake_meg.py").write_text(textwrap.dedent(
@@ -158,7 +159,7 @@ def _fake_entry(tmp_path: Path) -> Path:
         p.add_argument('--moe-backend'); p.add_argument('--train-iters', type=int)
         p.add_argument('--seq-length', type=int, default=32); p.add_argument('--global-batch-size', type=int, default=4)
         p.add_argument('--mok-param-digest-every', type=int, default=0)
-        p.add_argument('--mok-precision', default='bf16')
+        p.add_argument('--mok-precision', default='bf16'); p.add_argument('--moe-router-dtype', default='fp32')
         p.add_argument('--deterministic-mode', action='store_true')
         p.add_argument('--profile', action='store_true'); p.add_argument('--tensorboard-dir')
         p.add_argument('--profile-step-start', type=int); p.add_argument('--profile-step-end', type=int)
@@ -173,7 +174,8 @@ def _fake_entry(tmp_path: Path) -> Path:
             drift = int(os.path.exists(mark) and 'FAKE_RERUN_DRIFT' in os.environ)
             open(mark, 'w').close()
         if r == 0:
-            print('FAKE precision=%s deterministic=%s' % (a.mok_precision, a.deterministic_mode))
+            print('FAKE precision=%s deterministic=%s router=%s' % (a.mok_precision, a.deterministic_mode,
+                                                                  a.moe_router_dtype))
             print('------------------------ arguments ------------------------')
             for k, v in [('global_batch_size', a.global_batch_size), ('seq_length', a.seq_length), ('world_size', w)]:
                 print('  %s %s %s' % (k, '.' * (48 - len(k)), v))
@@ -184,6 +186,8 @@ def _fake_entry(tmp_path: Path) -> Path:
             shutil.copy(os.environ['FAKE_TRACE'], os.path.join(dst, 'rank-0.json.gz'))
         slow = float(os.environ.get('FAKE_SLOWDOWN', '0'))
         gap = float(os.environ.get('FAKE_LOSS_GAP', '0')) if a.moe_backend == 'alltoall' else 0.0
+        if a.moe_router_dtype == 'fp64':  # the noise control: only rounding changes
+            gap += float(os.environ.get('FAKE_CONTROL_NOISE', '0'))
         for it in range(1, a.train_iters + 1):
             time.sleep(0.01)
             if every and ((it - 1) % every == 0 or it == a.train_iters):
@@ -194,7 +198,8 @@ def _fake_entry(tmp_path: Path) -> Path:
                 print(' [x] iteration %8d/%8d | elapsed time per iteration (ms): %.1f | global batch size: %5d | '
                       'lm loss: %.6E | grad norm: 1.000 | number of skipped iterations:   0 | '
                       'number of nan iterations:   0 |' % (it, a.train_iters, ms, a.global_batch_size,
-                                                           10.0 - it * 0.1 + gap), flush=True)
+                                                           10.0 - it * 0.1 + gap * it / a.train_iters),
+                      flush=True)
         """
     ))
     return d
@@ -324,11 +329,13 @@ def test_compare_from_logs(tmp_path):
     b.write_text("ModuleNotFoundError: No module named 'deep_ep'\n")
     out = tmp_path / "rep"
     r = subprocess.run([sys.executable, str(COMPARE), "--from-logs", f"mok={a}", f"hybridep={b}", "--warmup", "2",
-                        "--out", str(out)], capture_output=True, text=True, timeout=120)
+                        "--out", str(out), "--", "--lr", "1e-4"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     rep = json.loads((out / "compare.json").read_text())
     assert rep["backends"]["mok"]["tokens_per_s_per_gpu"] == pytest.approx(8 * 64 / 0.105 / 2)
     assert rep["backends"]["hybridep"]["status"] == "skipped"
+    # the flags the logs ran with over the config, as given after --
+    assert "Megatron flags over the config: `--lr 1e-4`" in (out / "compare.md").read_text()
 
 
 @pytest.mark.parametrize("argv, msg", [
@@ -465,7 +472,13 @@ def test_compare_soak_passes_with_stable_runs(tmp_path):
     assert "mok_rerun: bitwise identical parameter digests" in names
     assert "alltoall: steps 40-50 within 2% of 10-20" in names
     assert soak["backends"]["alltoall"]["loss_max_abs_diff_vs_mok"] == 0.0
-    assert "Soak: 50 iterations, PASS" in (out / "compare.md").read_text()
+    # the noise control: alltoall again with the router in fp64, not itself compared with mok
+    assert "alltoall_control: ran all iterations" in names
+    assert not any(n.startswith("alltoall_control: loss") for n in names)
+    assert soak["noise_control"]["control"] == "alltoall_control" and soak["noise_control"]["max_rel_gap"] == 0.0
+    assert soak["tolerances"]["loss_window_relative"] == 0.02  # no noise: the 2 % floor
+    md = (out / "compare.md").read_text()
+    assert "Soak: 50 iterations, PASS" in md and "| alltoall_control vs alltoall |" in md
     assert "[compare] soak: PASS" in r.stderr
 
 
@@ -479,6 +492,31 @@ def test_compare_soak_fails_on_drift_or_loss_gap(tmp_path, env, failing):
     assert r.returncode == 1
     bad = [k for k, c in rep["soak"]["checks"].items() if not c["ok"]]
     assert bad and all(failing in k for k in bad), bad
+
+
+def test_soak_loss_tolerance_follows_the_noise_control(tmp_path):
+    # alltoall up to 0.3 above mok (~6 % of the loss at the end); its noise control as far again above
+    # alltoall: a gap of the size rounding alone makes in this run passes, without the control it fails
+    env = {"FAKE_LOSS_GAP": "0.3", "FAKE_CONTROL_NOISE": "0.3"}
+    r, rep, _ = _run_compare(tmp_path, "--soak", "--backends", "mok,alltoall", "--iters", "50", env_extra=env,
+                             trace=False)
+    assert r.returncode == 0, r.stderr
+    check = rep["soak"]["checks"]["alltoall: loss curve vs mok (5-iteration means)"]
+    assert check["ok"] and "2 x the noise control's worst window, alltoall_control vs alltoall" in check["detail"]
+    assert "router=fp64" in (tmp_path / "out" / "logs" / "alltoall_control.log").read_text()
+    assert "router=fp32" in (tmp_path / "out" / "logs" / "alltoall.log").read_text()
+    (tmp_path / "second").mkdir()
+    r, rep, _ = _run_compare(tmp_path / "second", "--soak", "--backends", "mok,alltoall", "--iters", "50",
+                             "--noise-control", "none", env_extra=env, trace=False)
+    assert r.returncode == 1 and rep["soak"]["noise_control"] is None
+    assert not rep["soak"]["checks"]["alltoall: loss curve vs mok (5-iteration means)"]["ok"]
+
+
+def test_noise_control_flips_the_router_precision():
+    cb = _load_compare()
+    assert cb.noise_control_args(["--moe-router-dtype", "fp32"]) == ["--moe-router-dtype", "fp64"]
+    assert cb.noise_control_args(["--moe-router-dtype", "fp64"]) == ["--moe-router-dtype", "fp32"]
+    assert cb.noise_control_args([]) == ["--moe-router-dtype", "fp64"]
 
 
 def test_backend_args_make_mok_strict_on_gpus_only():

@@ -222,7 +222,8 @@ def test_one_gpu_tiny_is_the_recipe_at_toy_size():
 
 
 def test_compare_backends_megatron_flags_parse_with_the_recipe(monkeypatch, tmp_path):
-    """The flags scripts/compare_backends.py adds (variants, profiler, digests, soak) exist in the parsers."""
+    """The flags scripts/compare_backends.py adds (variants, profiler, digests, soak, noise control) exist in the
+    parsers."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("compare_backends", CONFIGS.parent / "scripts" / "compare_backends.py")
@@ -230,8 +231,10 @@ def test_compare_backends_megatron_flags_parse_with_the_recipe(monkeypatch, tmp_
     spec.loader.exec_module(cb)
     moe_backend, extra = cb.backend_args("mok_fp8", gpu=True)
     args = _parse_tokens([*_args_of(ONE_GPU), "--moe-backend", moe_backend, *extra, "--mok-param-digest-every", "100",
-                          "--deterministic-mode", *cb.profile_megatron_args(12, 13, tmp_path / "tb")], monkeypatch)
+                          "--deterministic-mode", *cb.profile_megatron_args(12, 13, tmp_path / "tb"),
+                          *cb.noise_control_args(_args_of(ONE_GPU))], monkeypatch)
     assert args.mok_precision == "fp8" and args.mok_strict
+    assert args.moe_router_dtype == "fp64"  # the soak's noise control (the recipe routes in fp32)
     assert args.mok_param_digest_every == 100 and args.deterministic_mode
     assert args.profile and args.use_pytorch_profiler and args.pytorch_profiler_collect_callstack
     assert (args.profile_step_start, args.profile_step_end, args.profile_ranks) == (12, 13, [0])
