@@ -619,10 +619,14 @@ def fp8_grouped_mm_unsupported(dev) -> str | None:
 
 PASS = "fwd"  # set by main(): "fwd" or "bwd"
 MAIN_GRADS = False  # set by main(): --main-grads
-ROW_PASS = "fwd"  # the rows' pass: PASS, or "bwd+main_grad"
 SAVED_BYTES: dict = {}  # backend -> bytes its forward keeps for the backward (--pass bwd)
 MOK_WORKSPACES: dict = {}  # mok backend -> its workspace (its symmetric buffers are reported per row)
 WEIGHT_QUANT_MS: dict = {}  # fp8 backend -> median ms of quantizing its weights (outside the timed step)
+
+
+def row_pass() -> str:
+    """The rows' pass: PASS, or "bwd+main_grad" with --main-grads."""
+    return "bwd+main_grad" if MAIN_GRADS else PASS
 
 
 def _main_grads(c, dev) -> tuple | None:
@@ -632,11 +636,21 @@ def _main_grads(c, dev) -> tuple | None:
     return tuple(torch.zeros(c[n].shape, dtype=torch.float32, device=dev) for n in ("fc1", "fc2", "sfc1", "sfc2"))
 
 
-def _add_into(mains, grads) -> None:
-    """A baseline's weight gradients added into the main grads (Megatron's DDP hook: main_grad.add_)."""
-    if mains is not None:
-        for m, gw in zip(mains, grads):
-            m.add_(gw)
+def _autograd_bwd_step(c, dev, out, inputs):
+    """A baseline's timed backward: autograd from ``out`` to ``inputs`` (x, probs, fc1, fc2, sfc1,
+    sfc2) under a fixed grad_out; with --main-grads the weight gradients are then added into fp32
+    main grads (Megatron's DDP hook: main_grad.add_). Returns dx."""
+    grad = _grad_out(c, dev)
+    mains = _main_grads(c, dev)
+
+    def bwd_step():
+        grads = torch.autograd.grad(out, inputs, grad_outputs=grad, retain_graph=True)
+        if mains is not None:
+            for m, gw in zip(mains, grads[2:]):
+                m.add_(gw)
+        return grads[0]
+
+    return bwd_step
 
 
 def _grad_out(c, dev):
@@ -846,17 +860,8 @@ def _alltoall_backend(c, dev, name: str, experts):
         out = step()
         torch.cuda.synchronize()
         SAVED_BYTES[name] = torch.cuda.memory_allocated(dev) - before - out.numel() * out.element_size()
-        grad = _grad_out(c, dev)
         inputs = [leaves["x"], probs_dense, leaves["fc1"], leaves["fc2"], leaves["sfc1"], leaves["sfc2"]]
-
-        mains = _main_grads(c, dev)
-
-        def bwd_step():
-            grads = torch.autograd.grad(out, inputs, grad_outputs=grad, retain_graph=True)
-            _add_into(mains, grads[2:])
-            return grads[0]
-
-        return bwd_step
+        return _autograd_bwd_step(c, dev, out, inputs)
     return step
 
 
@@ -1098,17 +1103,8 @@ def _symm_a2a_backward(c, dev, bufs, order, ids, splits, back_order, arange_out)
     out = torch.bmm(c["probs"].to(torch.bfloat16).view(T, 1, k), slots).view(T, H) + shared_expert(c)
     torch.cuda.synchronize()
     SAVED_BYTES["symm_a2a"] = torch.cuda.memory_allocated(dev) - before - out.numel() * out.element_size()
-    grad = _grad_out(c, dev)
     inputs = [leaves[n] for n in ("x", "probs", "fc1", "fc2", "sfc1", "sfc2")]
-
-    mains = _main_grads(c, dev)
-
-    def bwd_step():
-        grads = torch.autograd.grad(out, inputs, grad_outputs=grad, retain_graph=True)
-        _add_into(mains, grads[2:])
-        return grads[0]
-
-    return bwd_step
+    return _autograd_bwd_step(c, dev, out, inputs)
 
 
 
@@ -1357,7 +1353,7 @@ def _run_case(args, backends, dev, shape, routing, T, gate, gate_error, ep) -> l
         log(f"{shape:16s} T={T:5d} ERROR {err}")
         release_memory(dev)
         dist.barrier()
-        return [dict(shape=shape, tokens=T, backend=be, ep=ep, routing=routing, pass_=ROW_PASS,
+        return [dict(shape=shape, tokens=T, backend=be, ep=ep, routing=routing, pass_=row_pass(),
                      precision=backend_precision(be), status="error", error=err) for be in backends]
     flops = 6 * T * c["k"] * c["H"] * c["I"] + 6 * T * c["H"] * c["Is"]
     if PASS == "bwd":
@@ -1367,7 +1363,7 @@ def _run_case(args, backends, dev, shape, routing, T, gate, gate_error, ep) -> l
     ref_bits: dict = {}  # _result_key -> (backend, output): the first mok variant of those bits
     saved = os.path.join(args.tmp_dir, f"mok_out_{PASS}_{shape}_{T}_{routing}_rank{dist.get_rank()}.pt")
     for i, be in enumerate(backends):
-        row = dict(shape=shape, tokens=T, backend=be, ep=ep, routing=routing, pass_=ROW_PASS,
+        row = dict(shape=shape, tokens=T, backend=be, ep=ep, routing=routing, pass_=row_pass(),
                    precision=backend_precision(be), flops_per_rank=flops)
         step = out = cfg = None
         SAVED_BYTES.pop(be, None)  # nothing of an earlier token count's row is read for this one
@@ -1600,13 +1596,12 @@ def parse_args(argv=None):
 
 
 def main() -> None:
-    global PASS, MAIN_GRADS, ROW_PASS
+    global PASS, MAIN_GRADS
     args = parse_args()
     PASS = args.pass_
     MAIN_GRADS = args.main_grads
     if MAIN_GRADS and PASS != "bwd":
         raise SystemExit("bench_layer: --main-grads needs --pass bwd")
-    ROW_PASS = "bwd+main_grad" if MAIN_GRADS else PASS
     backends = args.backends_list
 
     if args.child_out is not None:

@@ -735,6 +735,11 @@ def noise_control_args(cfg_args: list[str]) -> list[str]:
     return ["--moe-router-dtype", "fp32" if _flag_value(cfg_args, "--moe-router-dtype") == "fp64" else "fp64"]
 
 
+def loss_curve(result: dict) -> dict:
+    """iteration -> lm loss of one backend's result."""
+    return {int(i): l for i, l in result["loss_curve"]}
+
+
 def soak_windows(iters: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """(early, late) windows (a, b]: 100-200 and 400-500 for 500 iterations, scaled otherwise."""
     return (round(0.2 * iters), round(0.4 * iters)), (round(0.8 * iters), iters)
@@ -746,14 +751,13 @@ def soak_checks(results: dict, log_fields: dict, iters: int, digest_every: int) 
     checks = {}
     early, late = soak_windows(iters)
     ref = next(iter(ok), None)
-    ref_curve = dict((int(i), l) for i, l in ok[ref]["loss_curve"]) if ref else {}
+    ref_curve = loss_curve(ok[ref]) if ref else {}
     # the noise control: B_control against B (noise_control_args) sets the loss tolerance
     ctrl = next((b for b in ok if b.endswith(NOISE_CONTROL_SUFFIX) and b[: -len(NOISE_CONTROL_SUFFIX)] in ok), None)
     noise = None
     if ctrl is not None:
         base = ctrl[: -len(NOISE_CONTROL_SUFFIX)]
-        gaps = window_gaps({int(i): l for i, l in ok[ctrl]["loss_curve"]},
-                           {int(i): l for i, l in ok[base]["loss_curve"]}, iters)
+        gaps = window_gaps(loss_curve(ok[ctrl]), loss_curve(ok[base]), iters)
         if gaps:
             worst = max(gaps, key=lambda g: g["rel_gap"])
             noise = {"control": ctrl, "of": base, "max_rel_gap": worst["rel_gap"], "window": worst["window"],
@@ -776,7 +780,7 @@ def soak_checks(results: dict, log_fields: dict, iters: int, digest_every: int) 
             checks[f"{b}: ran"] = {"ok": False, "detail": r.get("reason")}
             continue
         fields = log_fields.get(b, {})
-        curve = dict((int(i), l) for i, l in r["loss_curve"])
+        curve = loss_curve(r)
         bad = [i for i, l in curve.items() if not (isinstance(l, (int, float)) and math.isfinite(l))]
         bad_gn = [i for i, g in fields.get("grad norm", {}).items() if not math.isfinite(g)]
         skipped = sum(v for v in fields.get("number of skipped iterations", {}).values() if math.isfinite(v))
@@ -1040,42 +1044,42 @@ def write_markdown(report: dict, path: Path, png_name: str | None) -> None:
     path.write_text("\n".join(lines))
 
 
-def _window_table(soak: dict, ref: str | None) -> list[str]:
-    """The soak's loss window means: the reference's, and each compared run's gap (the noise
-    control's from its own backend)."""
-    cols = [(b, pb["loss_window_gaps"]) for b, pb in soak["backends"].items() if pb.get("loss_window_gaps")]
+def _loss_window_pairs(soak: dict, ref: str | None) -> list[tuple[str, str, list]]:
+    """(run, the run it is compared with, window gaps) of the soak's loss comparison: each backend
+    against the reference, then the noise control against its own backend."""
+    pairs = [(b, ref, pb["loss_window_gaps"]) for b, pb in soak["backends"].items() if pb.get("loss_window_gaps")]
     noise = soak.get("noise_control")
     if noise:
-        cols.append((f"{noise['control']} vs {noise['of']}", noise["window_gaps"]))
-    if not cols:
+        pairs.append((noise["control"], noise["of"], noise["window_gaps"]))
+    return pairs
+
+
+def _window_table(soak: dict, ref: str | None) -> list[str]:
+    """The soak's loss window means: the first pair's base's, and each pair's relative gap."""
+    pairs = _loss_window_pairs(soak, ref)
+    if not pairs:
         return []
-    base = ref if cols[0][0] in soak["backends"] else noise["of"]
-    rows = {tuple(g["window"]): g["ref_mean"] for g in cols[0][1]}
+    base = pairs[0][1]
+    cols = [run if of == base else f"{run} vs {of}" for run, of, _ in pairs]
     lines = ["", f"Loss: {base}'s window means and the relative gaps from them (the noise control's from its own "
-             "backend):", "", f"| iterations | {base} | " + " | ".join(c for c, _ in cols) + " |",
+             "backend):", "", f"| iterations | {base} | " + " | ".join(cols) + " |",
              "|---|---:|" + "---:|" * len(cols)]
-    for w, m in rows.items():
+    for row in pairs[0][2]:
         cells = []
-        for _, gaps in cols:
-            g = next((g for g in gaps if tuple(g["window"]) == w), None)
+        for _, _, gaps in pairs:
+            g = next((g for g in gaps if g["window"] == row["window"]), None)
             cells.append("–" if g is None else f"{100 * g['rel_gap']:.1f} %")
-        lines.append(f"| {w[0] + 1}-{w[1]} | {m:.4g} | " + " | ".join(cells) + " |")
+        lines.append(f"| {row['window'][0] + 1}-{row['window'][1]} | {row['ref_mean']:.4g} | " + " | ".join(cells)
+                     + " |")
     return lines
 
 
 def _soak_window_means(report: dict) -> dict:
-    """backend -> [(window end, mean loss)] of the soak's loss windows (reference and noise control too)."""
-    soak = report.get("soak") or {}
+    """run -> [(window end, mean loss)] of the soak's loss windows (reference and noise control too)."""
     out = {}
-    for b, pb in (soak.get("backends") or {}).items():
-        gaps = pb.get("loss_window_gaps")
-        if gaps:
-            out.setdefault(report.get("reference_backend"), [(g["window"][1], g["ref_mean"]) for g in gaps])
-            out[b] = [(g["window"][1], g["mean"]) for g in gaps]
-    noise = soak.get("noise_control")
-    if noise:
-        out.setdefault(noise["of"], [(g["window"][1], g["ref_mean"]) for g in noise["window_gaps"]])
-        out[noise["control"]] = [(g["window"][1], g["mean"]) for g in noise["window_gaps"]]
+    for run, of, gaps in _loss_window_pairs(report.get("soak") or {"backends": {}}, report.get("reference_backend")):
+        out.setdefault(of, [(g["window"][1], g["ref_mean"]) for g in gaps])
+        out[run] = [(g["window"][1], g["mean"]) for g in gaps]
     return out
 
 
@@ -1125,6 +1129,7 @@ def write_png(report: dict, path: Path) -> str | None:
         tick.set_rotation(20)
     prof = {b: report["backends"][b]["profile"] for b in names
             if (report["backends"][b].get("profile") or {}).get("breakdown_us")}
+    soak_means = _soak_window_means(report)
     if prof:
         bottoms = [0.0] * len(prof)
         keys = ("moe", "attention", "dense", "optimizer", "other", "idle")
@@ -1137,8 +1142,8 @@ def write_png(report: dict, path: Path) -> str | None:
         ax4.set_ylabel("ms per profiled step")
         ax4.legend(fontsize=8)
         ax4.set_title("step breakdown (torch profiler)")
-    elif _soak_window_means(report):
-        for n, (b, pts) in enumerate(_soak_window_means(report).items()):
+    elif soak_means:
+        for b, pts in soak_means.items():
             ax4.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linewidth=1, label=b)
         ax4.set_yscale("log")
         ax4.set_xlabel("iteration (window end)")
@@ -1284,6 +1289,7 @@ def _pairs(items, parser, what):
 
 def main(argv=None) -> int:
     a, parser = parse_args(sys.argv[1:] if argv is None else argv)
+    command = " ".join([Path(sys.executable).name, *sys.argv])
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     if a.param_digest_every < 0:
         parser.error("--param-digest-every must be >= 0")
@@ -1311,7 +1317,7 @@ def main(argv=None) -> int:
         meta = {"config_name": a.config and Path(a.config).stem or "from-logs", "world_size": any_r.get("world_size"),
                 "iters": iters, "warmup": a.warmup, "created": stamp,
                 "logs": {b: str(lp) for b, lp in pairs}, "extra_args": a.extra,
-                "command": " ".join([Path(sys.executable).name, *sys.argv])}
+                "command": command}
         if exclude:
             meta["profile_excluded"] = sorted(exclude)
         soak = {"fields": fields, "iters": iters or a.iters, "digest_every": a.param_digest_every} if a.soak else None
@@ -1370,7 +1376,7 @@ def main(argv=None) -> int:
         "nodes": nnodes, "ranks_per_node": nproc, "world_size": world, "device": "gpu" if gpus else "cpu",
         "iters": a.iters, "warmup": a.warmup, "extra_args": a.extra, "created": stamp, "python": python,
         "entry": a.entry, "host": socket.gethostname(),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": command,
     }
     common = ["--train-iters", str(a.iters), "--log-interval", "1"]
     # Megatron asserts warmup < decay iterations: a run shorter than the recipe's warmup warms up

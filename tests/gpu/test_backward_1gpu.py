@@ -11,9 +11,9 @@ from megatron_mok import ROW_ALIGN, MoKConfig, create_workspace
 from megatron_mok.cuda.context import saved_bytes
 from megatron_mok.schedule import build_schedule_reference
 
-from ._bwd import (assert_bitwise, assert_fused_add, backward_case, check_backward_bitwise_repeats, check_backward_graph_equals_eager,
-                   check_backward_repeats, check_close, check_main_grads_accumulate, forward_backward,
-                   grads_list, poison_all, reference_grads)
+from ._bwd import (assert_bitwise, assert_fused_add, backward_case, check_backward_bitwise_repeats,
+                   check_backward_graph_equals_eager, check_backward_repeats, check_close,
+                   check_main_grads_accumulate, forward_backward, grads_list, poison_all, reference_grads)
 from ._util import SHAPES, bits, gpu_marks, rel_err, schedules_equal
 from ._util import cuda_path as _kp
 
