@@ -30,11 +30,12 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
         float acc[128];
         uint32_t it = 0;
         for (int u = blockIdx.x; u < tasks; u += gridDim.x) {
+          const xwgrad::Task t = xwgrad::decode(p, u);
           // e4m3: the scales' loads are in flight during the MMA
-          const auto scales = xwgrad::task_scales<Ops>(p, sm, a_scale, b_scale, xwgrad::decode(p, u), cw);
-          xwgrad::mma_task<Ops>(p, sm, cw, xwgrad::decode(p, u), acc, it);
-          if constexpr (kAddF32) xwgrad::add_task_f32(p, sm, &tmOut, xwgrad::decode(p, u), cw, acc, scales);
-          else xwgrad::store_task_tma(p, sm, &tmOut, xwgrad::decode(p, u), cw, acc, scales);
+          const auto scales = xwgrad::task_scales<Ops>(p, sm, a_scale, b_scale, t, cw);
+          xwgrad::mma_task<Ops>(p, sm, cw, t, acc, it);
+          if constexpr (kAddF32) xwgrad::add_task_f32(p, sm, &tmOut, t, cw, acc, scales);
+          else xwgrad::store_task_tma(p, sm, &tmOut, t, cw, acc, scales);
         }
         if (threadIdx.x % 128 == 0) bulk_wait_all();  // the boxes stay until TMA is done
       });

@@ -7,11 +7,11 @@
 //
 // A task is (expert e, 128 rows of dW[e], 256 columns of dW[e]); its K loop runs over the expert's
 // rows in ascending order and one task owns each output element: the bits do not depend on the
-// grid or the task order. A and B may use different row layouts: a_offsets / b_offsets give each expert's first row
-// in each. Only the first
-// ceil16(rows) rows enter the MMA (the last stage issues only its 16-row groups inside them), and
-// rows between the real count and that bound must be zero in A or B (padding rows).
-// Experts without rows get exact zeros.
+// grid or the task order. A and B may use different row layouts: a_offsets / b_offsets give each
+// expert's first row in each. Only the first ceil16(rows) rows enter the MMA (the last stage issues
+// only its 16-row groups inside them), and rows between the real count and that bound must be zero
+// in A or B (padding rows). Experts without rows get exact zeros (a bf16 out) or add nothing (an
+// fp32 out, which the tiles are added into: add_task_f32).
 //
 // e4m3 (E4m3Operands, expert_wgrad_fp8): the same tasks on the operands' transposes [M][tokens] and
 // [N][tokens] (ops.quantize_columns_e4m3: one scale per row of the transpose and expert, both over
