@@ -1,7 +1,7 @@
 """Tuning knobs of the mok MoE layer.
 
-Every knob except ``precision``, ``fp8_dgrad``, ``fp8_wgrad`` and ``fp8_shared`` changes only *how* the layer is computed (SM
-split, pipelining granularity, buffer sizes), never a result bit. Invalid values raise
+Every knob except ``precision``, ``fp8_dgrad``, ``fp8_wgrad``, ``fp8_shared`` and ``wgrad_accumulation`` changes only
+*how* the layer is computed (SM split, pipelining granularity, buffer sizes), never a result bit. Invalid values raise
 ``MoKConfigError`` naming the field.
 """
 
@@ -22,6 +22,8 @@ PRECISIONS = ("bf16", "fp8")  # fp8: the routed experts' GEMMs in block-scaled e
 # How the forward pass is composed from the GEMM core: one persistent megakernel that overlaps the
 # dispatch and the combine with the GEMMs, or one launch per stage. The same bits either way.
 FORWARD_KERNELS = ("auto", "persistent", "staged")
+# Where the weight gradients go when Megatron's DDP gave the weights a main_grad (the adapter).
+WGRAD_ACCUMULATIONS = ("auto", "fused", "unfused")
 
 
 class MoKConfigError(ValueError):
@@ -62,6 +64,12 @@ class MoKConfig:
         picks by precision (``resolved_forward_kernel``). The same bits either way.
     strict: raise instead of warning once when a call cannot run on the CUDA kernels (dtype or sizes
         they do not take) and would run the slow pure-PyTorch reference instead.
+    wgrad_accumulation: in Megatron (the adapter), where the weight gradients go when the weights
+        have Megatron's ``main_grad``. "fused": the weight-gradient GEMMs add them into it themselves
+        (fp32 sums, not rounded to bf16 first, nor written and read back; needs neither apex nor
+        TransformerEngine); "unfused": they are returned, and Megatron's DDP hook adds their bf16
+        values; "auto": fused exactly when Megatron's --gradient-accumulation-fusion is on. Changes
+        the main_grad's rounding (fused is the more precise).
     """
 
     fwd_comm_sms: int = 24
@@ -76,6 +84,7 @@ class MoKConfig:
     save_gate_up: bool = True
     forward_kernel: str = "auto"
     strict: bool = False
+    wgrad_accumulation: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("fwd_comm_sms", "bwd_comm_sms", "minibatch_rows"):
@@ -103,6 +112,10 @@ class MoKConfig:
         if self.forward_kernel not in FORWARD_KERNELS:
             raise MoKConfigError(
                 f"MoKConfig.forward_kernel must be one of {FORWARD_KERNELS}, got {self.forward_kernel!r}"
+            )
+        if self.wgrad_accumulation not in WGRAD_ACCUMULATIONS:
+            raise MoKConfigError(
+                f"MoKConfig.wgrad_accumulation must be one of {WGRAD_ACCUMULATIONS}, got {self.wgrad_accumulation!r}"
             )
         if self.forward_kernel == "persistent" and self.precision != "bf16":
             raise MoKConfigError(

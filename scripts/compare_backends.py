@@ -13,7 +13,7 @@
     python scripts/compare_backends.py --launcher srun --config configs/deepseek-v3.args ...
 
     # soak: 500 steps with --deterministic-mode, mok twice (bitwise parameter digests every 100
-    # steps), alltoall and its noise control (alltoall_control), loss agreement, NaN/inf,
+    # steps), alltoall, the noise controls (mok_control, alltoall_control), loss agreement, NaN/inf,
     # throughput of steps 400-500 against 100-200
     python scripts/compare_backends.py --config configs/deepseek-v3-1gpu.args --soak \
         --backends mok,alltoall --rerun mok --iters 500
@@ -62,7 +62,7 @@ per-rank digest of every parameter's bits every N iterations (Megatron flag
 --mok-param-digest-every N of megatron_mok).
 
 --soak (defaults: --iters 500, --param-digest-every 100, Megatron --deterministic-mode,
---noise-control alltoall) checks:
+--noise-control: every backend) checks:
   * the loss curves of all backends agree with the first one within BF16 noise. First iteration
     (same weights, same batch, only the rounding order differs): within 2**-7 relative (two bf16
     ulps). Afterwards rounding differences compound through Adam, and where the loss spikes from
@@ -70,8 +70,8 @@ per-rank digest of every parameter's bits every N iterations (Megatron flag
     curves are compared as means over windows of iters/10 iterations, against the noise that
     rounding alone makes in the same recipe: the noise control B_control trains B once more with
     only the router's float precision changed (--moe-router-dtype fp32 <-> fp64), and a backend's
-    worst window may differ by at most twice the control's worst window from B (at least 2 %).
-    Without a control the bound is 2 %. The raw per-iteration maximum difference is reported too;
+    worst window may differ by at most twice the worst window of any control from its own backend
+    (at least 2 %). Without a control the bound is 2 %. The raw per-iteration maximum difference is reported too;
   * no NaN or inf in the loss or the grad norm (and no skipped/NaN iterations);
   * a rerun (--rerun) has bitwise identical parameter digests at every digest iteration;
   * the median step time of iterations 400-500 is within 2 % of iterations 100-200 (the windows
@@ -752,21 +752,23 @@ def soak_checks(results: dict, log_fields: dict, iters: int, digest_every: int) 
     early, late = soak_windows(iters)
     ref = next(iter(ok), None)
     ref_curve = loss_curve(ok[ref]) if ref else {}
-    # the noise control: B_control against B (noise_control_args) sets the loss tolerance
-    ctrl = next((b for b in ok if b.endswith(NOISE_CONTROL_SUFFIX) and b[: -len(NOISE_CONTROL_SUFFIX)] in ok), None)
-    noise = None
-    if ctrl is not None:
+    # the noise controls: each B_control against B (noise_control_args); the worst sets the loss tolerance
+    controls = []
+    for ctrl in ok:
         base = ctrl[: -len(NOISE_CONTROL_SUFFIX)]
+        if not ctrl.endswith(NOISE_CONTROL_SUFFIX) or base not in ok:
+            continue
         gaps = window_gaps(loss_curve(ok[ctrl]), loss_curve(ok[base]), iters)
         if gaps:
             worst = max(gaps, key=lambda g: g["rel_gap"])
-            noise = {"control": ctrl, "of": base, "max_rel_gap": worst["rel_gap"], "window": worst["window"],
-                     "window_gaps": gaps}
+            controls.append({"control": ctrl, "of": base, "max_rel_gap": worst["rel_gap"], "window": worst["window"],
+                             "window_gaps": gaps})
+    noise = max(controls, key=lambda c: c["max_rel_gap"], default=None)
     if noise is not None:
         loss_tol = max(SOAK_LOSS_REL_FLOOR, SOAK_NOISE_FACTOR * noise["max_rel_gap"])
-        tol_why = (f"{SOAK_NOISE_FACTOR:g} x the noise control's worst window, {noise['control']} vs "
-                   f"{noise['of']}: {100 * noise['max_rel_gap']:.1f} % at {noise['window'][0] + 1}-"
-                   f"{noise['window'][1]}; at least {100 * SOAK_LOSS_REL_FLOOR:g} %")
+        tol_why = (f"{SOAK_NOISE_FACTOR:g} x the worst window of {len(controls)} noise control(s), "
+                   f"{noise['control']} vs {noise['of']}: {100 * noise['max_rel_gap']:.1f} % at "
+                   f"{noise['window'][0] + 1}-{noise['window'][1]}; at least {100 * SOAK_LOSS_REL_FLOOR:g} %")
     else:
         loss_tol = SOAK_LOSS_REL_FLOOR
         tol_why = f"{100 * SOAK_LOSS_REL_FLOOR:g} %: no noise control ran"
@@ -853,6 +855,7 @@ def soak_checks(results: dict, log_fields: dict, iters: int, digest_every: int) 
         "param_digest_every": digest_every,
         "loss_reference": ref,
         "noise_control": noise,
+        "noise_controls": controls,
         "tolerances": {
             "first_iteration_relative": SOAK_FIRST_ITER_REL_TOL,
             "loss_window_iterations": loss_windows(iters),
@@ -865,10 +868,10 @@ def soak_checks(results: dict, log_fields: dict, iters: int, digest_every: int) 
                    "ulps. Afterwards the rounding differences compound through Adam, and where the loss "
                    "spikes from step to step they decorrelate the per-iteration losses of two correct runs "
                    "entirely; so the curves are compared as window means, against the gap that rounding "
-                   "alone opens in the same recipe: the noise control, one backend trained again with only "
+                   "alone opens in the same recipe: the noise controls, each backend trained again with only "
                    "the router's float precision changed (fp32 <-> fp64). A backend passes when its worst "
-                   "window is within twice the control's worst window (one control run is one sample of that "
-                   "noise, hence the margin), and always within 2 %; a real error (a wrong gradient, a lost "
+                   "window is within twice the worst window of any control from its own backend (each control "
+                   "run is one sample of that noise, hence the margin), and always within 2 %; a real error (a wrong gradient, a lost "
                    "token, a mis-scaled expert) shifts the curve beyond what rounding does",
         },
         "backends": per_backend,
@@ -1046,11 +1049,9 @@ def write_markdown(report: dict, path: Path, png_name: str | None) -> None:
 
 def _loss_window_pairs(soak: dict, ref: str | None) -> list[tuple[str, str, list]]:
     """(run, the run it is compared with, window gaps) of the soak's loss comparison: each backend
-    against the reference, then the noise control against its own backend."""
+    against the reference, then each noise control against its own backend."""
     pairs = [(b, ref, pb["loss_window_gaps"]) for b, pb in soak["backends"].items() if pb.get("loss_window_gaps")]
-    noise = soak.get("noise_control")
-    if noise:
-        pairs.append((noise["control"], noise["of"], noise["window_gaps"]))
+    pairs += [(c["control"], c["of"], c["window_gaps"]) for c in soak.get("noise_controls", [])]
     return pairs
 
 
@@ -1061,7 +1062,7 @@ def _window_table(soak: dict, ref: str | None) -> list[str]:
         return []
     base = pairs[0][1]
     cols = [run if of == base else f"{run} vs {of}" for run, of, _ in pairs]
-    lines = ["", f"Loss: {base}'s window means and the relative gaps from them (the noise control's from its own "
+    lines = ["", f"Loss: {base}'s window means and the relative gaps from them (the noise controls' from their own "
              "backend):", "", f"| iterations | {base} | " + " | ".join(cols) + " |",
              "|---|---:|" + "---:|" * len(cols)]
     for row in pairs[0][2]:
@@ -1253,10 +1254,10 @@ def parse_args(argv):
     p.add_argument("--soak", action="store_true",
                    help="soak checks (loss agreement, NaN/inf, bitwise reruns, throughput drift); adds Megatron's "
                         "--deterministic-mode")
-    p.add_argument("--noise-control", default=None, metavar="BACKEND",
-                   help="with --soak: train BACKEND once more with the router in the other float precision "
-                        "(reported as BACKEND_control); its gap from BACKEND is the loss tolerance's noise "
-                        "(default alltoall if among --backends, else the first; none: no control)")
+    p.add_argument("--noise-control", default=None, metavar="B1,B2",
+                   help="with --soak: train each of these backends once more with the router in the other float "
+                        "precision (reported as B_control); the worst gap of a control from its backend is the "
+                        "loss tolerance's noise (default: every backend of --backends; none: no control)")
     p.add_argument("--from-logs", nargs="+", metavar="BACKEND=LOG",
                    help="no training: report these existing logs")
     p.add_argument("--traces", nargs="+", metavar="BACKEND=TRACE", default=[],
@@ -1270,8 +1271,7 @@ def parse_args(argv):
     if a.param_digest_every is None:
         a.param_digest_every = 100 if a.soak else 0
     if a.noise_control is None and a.soak:
-        names = [b.strip() for b in a.backends.split(",") if b.strip()]
-        a.noise_control = "alltoall" if "alltoall" in names else (names[0] if names else "none")
+        a.noise_control = a.backends
     return a, p
 
 
@@ -1344,9 +1344,9 @@ def main(argv=None) -> int:
     reruns = [b.strip() for b in a.rerun.split(",") if b.strip()]
     if any(b not in backends for b in reruns):
         parser.error(f"--rerun {a.rerun}: every rerun backend must also be in --backends ({a.backends})")
-    control = a.noise_control if a.noise_control not in (None, "none") else None
-    if control is not None and (not a.soak or control not in backends):
-        parser.error(f"--noise-control {control}: needs --soak and a backend of --backends ({a.backends})")
+    controls = [b.strip() for b in (a.noise_control or "none").split(",") if b.strip() not in ("", "none")]
+    if controls and (not a.soak or any(b not in backends for b in controls)):
+        parser.error(f"--noise-control {a.noise_control}: needs --soak and backends of --backends ({a.backends})")
     python = a.python or default_python()
     if not shutil.which(python) and not Path(python).exists():
         parser.error(f"python interpreter not found: {python}")
@@ -1398,9 +1398,8 @@ def main(argv=None) -> int:
     meta["soak"] = a.soak
     results, fields = {}, {}
     runs = [(b, b) for b in backends] + [(f"{b}_rerun", b) for b in reruns]
-    if control is not None:
-        runs.append((control + NOISE_CONTROL_SUFFIX, control))
-    meta["noise_control"] = control
+    runs += [(b + NOISE_CONTROL_SUFFIX, b) for b in controls]
+    meta["noise_controls"] = controls
     for name, b in runs:
         spec = backend_args(b, gpu=gpus > 0, strict=not a.no_strict)
         moe_backend, variant_args = spec if spec is not None else (BACKEND_VARIANTS[b][0], None)

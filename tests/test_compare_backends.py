@@ -472,13 +472,15 @@ def test_compare_soak_passes_with_stable_runs(tmp_path):
     assert "mok_rerun: bitwise identical parameter digests" in names
     assert "alltoall: steps 40-50 within 2% of 10-20" in names
     assert soak["backends"]["alltoall"]["loss_max_abs_diff_vs_mok"] == 0.0
-    # the noise control: alltoall again with the router in fp64, not itself compared with mok
-    assert "alltoall_control: ran all iterations" in names
-    assert not any(n.startswith("alltoall_control: loss") for n in names)
-    assert soak["noise_control"]["control"] == "alltoall_control" and soak["noise_control"]["max_rel_gap"] == 0.0
+    # the noise controls: each backend again with the router in fp64, not themselves compared with mok
+    for ctrl in ("mok_control", "alltoall_control"):
+        assert f"{ctrl}: ran all iterations" in names
+        assert not any(n.startswith(f"{ctrl}: loss") for n in names)
+    assert [(c["control"], c["of"], c["max_rel_gap"]) for c in soak["noise_controls"]] == [
+        ("mok_control", "mok", 0.0), ("alltoall_control", "alltoall", 0.0)]
     assert soak["tolerances"]["loss_window_relative"] == 0.02  # no noise: the 2 % floor
     md = (out / "compare.md").read_text()
-    assert "Soak: 50 iterations, PASS" in md and "| alltoall_control vs alltoall |" in md
+    assert "Soak: 50 iterations, PASS" in md and "| mok_control | alltoall_control vs alltoall |" in md
     assert "[compare] soak: PASS" in r.stderr
 
 
@@ -502,13 +504,20 @@ def test_soak_loss_tolerance_follows_the_noise_control(tmp_path):
                              trace=False)
     assert r.returncode == 0, r.stderr
     check = rep["soak"]["checks"]["alltoall: loss curve vs mok (5-iteration means)"]
-    assert check["ok"] and "2 x the noise control's worst window, alltoall_control vs alltoall" in check["detail"]
+    assert check["ok"] and "2 x the worst window of 2 noise control(s)" in check["detail"]
     assert "router=fp64" in (tmp_path / "out" / "logs" / "alltoall_control.log").read_text()
     assert "router=fp32" in (tmp_path / "out" / "logs" / "alltoall.log").read_text()
+    # one control, of the other backend, bounds the same way; the worst control sets the bound
+    (tmp_path / "one").mkdir()
+    r, rep, _ = _run_compare(tmp_path / "one", "--soak", "--backends", "mok,alltoall", "--iters", "50",
+                             "--noise-control", "mok", env_extra=env, trace=False)
+    assert r.returncode == 0, r.stderr
+    assert [c["control"] for c in rep["soak"]["noise_controls"]] == ["mok_control"]
+    assert rep["soak"]["noise_control"]["control"] == "mok_control"
     (tmp_path / "second").mkdir()
     r, rep, _ = _run_compare(tmp_path / "second", "--soak", "--backends", "mok,alltoall", "--iters", "50",
                              "--noise-control", "none", env_extra=env, trace=False)
-    assert r.returncode == 1 and rep["soak"]["noise_control"] is None
+    assert r.returncode == 1 and rep["soak"]["noise_control"] is None and rep["soak"]["noise_controls"] == []
     assert not rep["soak"]["checks"]["alltoall: loss curve vs mok (5-iteration means)"]["ok"]
 
 

@@ -197,9 +197,10 @@ def test_flags_map_onto_the_config():
 
     assert mok_config_from_args(_parse()) == MoKConfig()
     cfg = mok_config_from_args(_parse("--mok-forward-kernel", "staged", "--mok-strict", "--mok-capacity-factor", "0.5",
-                                      "--mok-precision", "fp8", "--mok-bf16-wgrad", "--mok-recompute-gate-up"))
+                                      "--mok-precision", "fp8", "--mok-bf16-wgrad", "--mok-recompute-gate-up",
+                                      "--mok-wgrad-accumulation", "fused"))
     assert cfg == MoKConfig(forward_kernel="staged", strict=True, capacity_factor=0.5, precision="fp8",
-                            fp8_wgrad=False, save_gate_up=False)
+                            fp8_wgrad=False, save_gate_up=False, wgrad_accumulation="fused")
     assert _parse().mok_param_digest_every == 0 and _parse("--mok-param-digest-every", "50").mok_param_digest_every == 50
 
 
@@ -219,9 +220,10 @@ def test_invalid_flags_raise_whatever_the_backend(backend, argv, flag):
         _apply(*extra, *argv)
 
 
-def test_invalid_flag_choice_is_rejected_by_the_parser():
+@pytest.mark.parametrize("argv", [("--mok-forward-kernel", "fast"), ("--mok-wgrad-accumulation", "always")])
+def test_invalid_flag_choice_is_rejected_by_the_parser(argv):
     with pytest.raises(SystemExit):
-        _parse("--mok-forward-kernel", "fast")
+        _parse(*argv)
 
 
 @pytest.mark.parametrize("backend", [None, "alltoall", "allgather"])
@@ -257,7 +259,8 @@ def test_no_warning_when_the_flags_apply(argv, fresh_warning):
 
 
 def test_new_config_fields_are_validated():
-    for field, value in (("forward_kernel", "fast"), ("forward_kernel", None), ("strict", 1), ("strict", "yes")):
+    for field, value in (("forward_kernel", "fast"), ("forward_kernel", None), ("strict", 1), ("strict", "yes"),
+                         ("wgrad_accumulation", "always"), ("wgrad_accumulation", True)):
         with pytest.raises(MoKConfigError, match=field):
             MoKConfig(**{field: value})
     with pytest.raises(MoKConfigError, match="forward_kernel"):

@@ -223,33 +223,50 @@ def test_expert_init_draws_from_the_expert_parallel_rng(monkeypatch):
 
 
 def _fused_wgrad_accumulation(rank, world):
-    """With gradient-accumulation fusion the mok backward adds the expert and shared-expert weight
-    gradients into Megatron's fp32 main_grad and marks them (grad_added_to_main_grad)."""
+    """Fused weight-gradient accumulation (MoKConfig.wgrad_accumulation "fused", or "auto" with
+    Megatron's gradient-accumulation fusion) adds the expert and shared-expert weight gradients into
+    Megatron's fp32 main_grad and marks them (grad_added_to_main_grad); "unfused" returns them even
+    with Megatron's fusion on, and so does "auto" without it."""
+    from megatron_mok.adapter.layer import get_mok_config, set_mok_config
+
     _setup_megatron(world)
     torch.manual_seed(1234)
-    config = _config(shared=True)
-    plain = _build_layer("mok", config)
+    plain = _build_layer("mok", _config(shared=True))
     fused_cfg = _config(shared=True)
-    fused = _build_layer("mok", fused_cfg)
-    fused.load_state_dict(plain.state_dict())
-    fused_cfg.gradient_accumulation_fusion = True  # after construction: the local linears need apex for it
-    params = {"experts.fc1": fused.experts.linear_fc1.weight, "experts.fc2": fused.experts.linear_fc2.weight,
-              "shared.fc1": fused.shared_experts.linear_fc1.weight, "shared.fc2": fused.shared_experts.linear_fc2.weight}
-    for p in params.values():
-        p.main_grad = torch.full(p.shape, 0.5, dtype=torch.float32)  # earlier micro-batches' sum
-        p.grad_added_to_main_grad = False
+    layer = _build_layer("mok", fused_cfg)
+    layer.load_state_dict(plain.state_dict())
     gen = torch.Generator().manual_seed(7 + rank)
     hidden, grad = torch.randn(12, 3, 32, generator=gen), torch.randn(12, 3, 32, generator=gen)
     out_ref, dx_ref = _run(plain, hidden, grad)
-    out, dx = _run(fused, hidden, grad)
-    assert torch.equal(out, out_ref) and torch.equal(dx, dx_ref)
     ref = {"experts.fc1": plain.experts.linear_fc1.weight.grad, "experts.fc2": plain.experts.linear_fc2.weight.grad,
            "shared.fc1": plain.shared_experts.linear_fc1.weight.grad,
            "shared.fc2": plain.shared_experts.linear_fc2.weight.grad}
-    for name, p in params.items():
-        assert p.grad_added_to_main_grad, name
-        assert p.grad is not None and p.grad.shape == p.shape, name  # the dummy DDP's hook expects
-        assert torch.allclose(p.main_grad, 0.5 + ref[name].float(), rtol=0, atol=1e-6), name
+    params = {"experts.fc1": layer.experts.linear_fc1.weight, "experts.fc2": layer.experts.linear_fc2.weight,
+              "shared.fc1": layer.shared_experts.linear_fc1.weight, "shared.fc2": layer.shared_experts.linear_fc2.weight}
+    saved = get_mok_config()
+    try:
+        # (mode, Megatron's gradient_accumulation_fusion (set after construction: the local linears
+        # need apex for it), whether the backward adds into main_grad)
+        for mode, megatron_fusion, fused in (("auto", True, True), ("fused", False, True),
+                                             ("unfused", True, False), ("auto", False, False)):
+            set_mok_config(saved.replace(wgrad_accumulation=mode))
+            fused_cfg.gradient_accumulation_fusion = megatron_fusion
+            for p in params.values():
+                p.main_grad = torch.full(p.shape, 0.5, dtype=torch.float32)  # earlier micro-batches' sum
+                p.grad_added_to_main_grad = False
+                p.grad = None
+            out, dx = _run(layer, hidden, grad)
+            assert torch.equal(out, out_ref) and torch.equal(dx, dx_ref), mode
+            for name, p in params.items():
+                assert p.grad_added_to_main_grad is fused, (mode, megatron_fusion, name)
+                if fused:
+                    assert p.grad is not None and p.grad.shape == p.shape, name  # the dummy DDP's hook expects
+                    assert torch.allclose(p.main_grad, 0.5 + ref[name].float(), rtol=0, atol=1e-6), name
+                else:  # returned for Megatron's DDP hook to add; main_grad untouched
+                    assert torch.equal(p.grad, ref[name]), (mode, name)
+                    assert torch.equal(p.main_grad, torch.full(p.shape, 0.5)), (mode, name)
+    finally:
+        set_mok_config(saved)
 
 
 def test_fused_wgrad_accumulation_into_main_grad():

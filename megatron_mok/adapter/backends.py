@@ -20,7 +20,7 @@ import functools
 import importlib
 import warnings
 
-from ..config import FORWARD_KERNELS, MoKConfig, MoKConfigError
+from ..config import FORWARD_KERNELS, WGRAD_ACCUMULATIONS, MoKConfig, MoKConfigError
 
 BACKENDS = ("mok", "alltoall", "allgather", "hybridep", "deepep")
 
@@ -71,6 +71,11 @@ def add_mok_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--mok-forward-kernel", choices=FORWARD_KERNELS, default=None,
                        help="persistent: the forward as one persistent megakernel (bf16 only); staged: one "
                             "launch per stage; auto (default): persistent for bf16, staged for fp8. Same bits")
+    group.add_argument("--mok-wgrad-accumulation", choices=WGRAD_ACCUMULATIONS, default=None,
+                       help="fused: the experts' weight-gradient GEMMs add into Megatron's fp32 main_grad "
+                            "themselves (needs neither apex nor TransformerEngine); unfused: Megatron's DDP hook "
+                            "adds their bf16 gradients; auto (default): fused exactly with "
+                            "--gradient-accumulation-fusion")
     group.add_argument("--mok-bf16-dgrad", action="store_true",
                        help="with --mok-precision fp8: keep the backward's routed dgrads in bf16")
     group.add_argument("--mok-bf16-wgrad", action="store_true",
@@ -98,6 +103,7 @@ _ARG_TO_FIELD = {
     "mok_peer_timeout_s": "peer_timeout_s",
     "mok_precision": "precision",
     "mok_forward_kernel": "forward_kernel",
+    "mok_wgrad_accumulation": "wgrad_accumulation",
 }
 # Switches of the mok layer (store_true flags) and the MoKConfig field each one sets.
 _SWITCHES = ("mok_bf16_dgrad", "mok_bf16_wgrad", "mok_bf16_shared", "mok_recompute_gate_up", "mok_strict")

@@ -105,9 +105,11 @@ class MoKMoELayer(MoELayer):
 
 
 def _main_grads(config, params):
-    """With gradient-accumulation fusion, the weights' fp32 ``main_grad`` buffers (set by Megatron's
-    DDP): the mok backward accumulates into them itself. Else None (autograd returns the grads)."""
-    if not getattr(config, "gradient_accumulation_fusion", False):
+    """With fused weight-gradient accumulation (MoKConfig.wgrad_accumulation), the weights'
+    ``main_grad`` buffers (set by Megatron's DDP): the mok backward accumulates into them itself.
+    Else None (autograd returns the grads)."""
+    mode = _MOK_CONFIG.wgrad_accumulation
+    if mode == "unfused" or (mode == "auto" and not getattr(config, "gradient_accumulation_fusion", False)):
         return None
     grads = tuple(None if p is None else getattr(p, "main_grad", None) for p in params)
     return grads if any(g is not None for g in grads) else None
