@@ -1,8 +1,8 @@
 """Tuning knobs of the mok MoE layer.
 
-Every knob except ``precision``, ``fp8_dgrad``, ``fp8_wgrad``, ``fp8_shared`` and ``wgrad_accumulation`` changes only
-*how* the layer is computed (SM split, pipelining granularity, buffer sizes), never a result bit. Invalid values raise
-``MoKConfigError`` naming the field.
+Every knob except ``precision``, ``fp8_dgrad``, ``fp8_wgrad``, ``fp8_shared`` and
+``wgrad_accumulation`` changes only *how* the layer is computed (SM split, pipelining granularity,
+buffer sizes), never a result bit. Invalid values raise ``MoKConfigError`` naming the field.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ class MoKConfig:
         fc1) on e4m3 operands; False: they stay bf16. Changes results like precision does.
     fp8_wgrad: with precision "fp8", also the routed experts' weight gradients on e4m3 operands
         (dy, act, dh and the dispatched rows quantized per expert and column: one scale per column
-        over the expert's rows, as DeepSeek-V3 quantizes the token axis); False: they stay bf16. Changes results like precision does.
+        over the expert's rows, as DeepSeek-V3 quantizes the token axis); False: they stay bf16.
+        Changes results like precision does.
     fp8_shared: with precision "fp8", also the shared expert's forward GEMMs on e4m3 operands (when
         its intermediate size is a multiple of 128; its backward stays bf16: e4m3 dgrads measured
         slower, docs/DESIGN.md); False: they stay bf16. Changes results like precision does.
@@ -115,7 +116,8 @@ class MoKConfig:
             )
         if self.wgrad_accumulation not in WGRAD_ACCUMULATIONS:
             raise MoKConfigError(
-                f"MoKConfig.wgrad_accumulation must be one of {WGRAD_ACCUMULATIONS}, got {self.wgrad_accumulation!r}"
+                f"MoKConfig.wgrad_accumulation must be one of {WGRAD_ACCUMULATIONS}, "
+                f"got {self.wgrad_accumulation!r}"
             )
         if self.forward_kernel == "persistent" and self.precision != "bf16":
             raise MoKConfigError(

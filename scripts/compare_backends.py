@@ -71,7 +71,8 @@ per-rank digest of every parameter's bits every N iterations (Megatron flag
     rounding alone makes in the same recipe: the noise control B_control trains B once more with
     only the router's float precision changed (--moe-router-dtype fp32 <-> fp64), and a backend's
     worst window may differ by at most twice the worst window of any control from its own backend
-    (at least 2 %). Without a control the bound is 2 %. The raw per-iteration maximum difference is reported too;
+    (at least 2 %). Without a control the bound is 2 %. The raw per-iteration maximum difference is
+    reported too;
   * no NaN or inf in the loss or the grad norm (and no skipped/NaN iterations);
   * a rerun (--rerun) has bitwise identical parameter digests at every digest iteration;
   * the median step time of iterations 400-500 is within 2 % of iterations 100-200 (the windows
@@ -871,8 +872,8 @@ def soak_checks(results: dict, log_fields: dict, iters: int, digest_every: int) 
                    "alone opens in the same recipe: the noise controls, each backend trained again with only "
                    "the router's float precision changed (fp32 <-> fp64). A backend passes when its worst "
                    "window is within twice the worst window of any control from its own backend (each control "
-                   "run is one sample of that noise, hence the margin), and always within 2 %; a real error (a wrong gradient, a lost "
-                   "token, a mis-scaled expert) shifts the curve beyond what rounding does",
+                   "run is one sample of that noise, hence the margin), and always within 2 %; a real error (a "
+                   "wrong gradient, a lost token, a mis-scaled expert) shifts the curve beyond what rounding does",
         },
         "backends": per_backend,
         "checks": checks,
