@@ -28,6 +28,9 @@ it is only recorded, as the flags the logs were run with over the config.
 
 Backends: Megatron's --moe-backend choices (mok, alltoall, allgather, hybridep, deepep) and
   mok_fp8       mok with --mok-precision fp8 (block-scaled e4m3 expert GEMMs)
+  mok_unfused   mok with --mok-wgrad-accumulation unfused: Megatron's DDP hook adds its bf16 weight
+                gradients into main_grad, as it must for alltoall's experts without TransformerEngine
+                (the like-for-like row where a recipe turns on fused accumulation)
   (on GPUs the mok variants also get --mok-strict, unless --no-strict: a fallback to the pure-PyTorch
   reference fails the run instead of being timed)
   alltoall_fp8  alltoall with Megatron's FP8 recipe: never run, always reported ``skipped`` with
@@ -115,6 +118,7 @@ from megatron_mok.tools import logparse  # noqa: E402  (pure python, no torch im
 BACKEND_VARIANTS = {
     "mok": ("mok", []),
     "mok_fp8": ("mok", ["--mok-precision", "fp8"]),
+    "mok_unfused": ("mok", ["--mok-wgrad-accumulation", "unfused"]),
     "alltoall": ("alltoall", []),
     "alltoall_fp8": ("alltoall", None),
     "allgather": ("allgather", []),

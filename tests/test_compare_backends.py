@@ -160,6 +160,7 @@ def _fake_entry(tmp_path: Path) -> Path:
         p.add_argument('--seq-length', type=int, default=32); p.add_argument('--global-batch-size', type=int, default=4)
         p.add_argument('--mok-param-digest-every', type=int, default=0)
         p.add_argument('--mok-precision', default='bf16'); p.add_argument('--moe-router-dtype', default='fp32')
+        p.add_argument('--mok-wgrad-accumulation', default='auto')
         p.add_argument('--deterministic-mode', action='store_true')
         p.add_argument('--profile', action='store_true'); p.add_argument('--tensorboard-dir')
         p.add_argument('--profile-step-start', type=int); p.add_argument('--profile-step-end', type=int)
@@ -174,8 +175,8 @@ def _fake_entry(tmp_path: Path) -> Path:
             drift = int(os.path.exists(mark) and 'FAKE_RERUN_DRIFT' in os.environ)
             open(mark, 'w').close()
         if r == 0:
-            print('FAKE precision=%s deterministic=%s router=%s' % (a.mok_precision, a.deterministic_mode,
-                                                                  a.moe_router_dtype))
+            print('FAKE precision=%s deterministic=%s router=%s wgrad=%s' % (
+                a.mok_precision, a.deterministic_mode, a.moe_router_dtype, a.mok_wgrad_accumulation))
             print('------------------------ arguments ------------------------')
             for k, v in [('global_batch_size', a.global_batch_size), ('seq_length', a.seq_length), ('world_size', w)]:
                 print('  %s %s %s' % (k, '.' * (48 - len(k)), v))
@@ -439,13 +440,15 @@ def _run_compare(tmp_path, *args, env_extra=None, trace=True):
 
 
 def test_compare_variants_profile_and_megatron_fp8_skip(tmp_path):
-    r, rep, out = _run_compare(tmp_path, "--backends", "mok,mok_fp8,alltoall,alltoall_fp8", "--iters", "8",
-                               "--warmup", "1", "--profile-iters", "4:5")
+    r, rep, out = _run_compare(tmp_path, "--backends", "mok,mok_fp8,mok_unfused,alltoall,alltoall_fp8", "--iters",
+                               "8", "--warmup", "1", "--profile-iters", "4:5")
     assert r.returncode == 0, r.stderr
     b = rep["backends"]
-    assert [k for k in b] == ["mok", "mok_fp8", "alltoall", "alltoall_fp8"]
+    assert [k for k in b] == ["mok", "mok_fp8", "mok_unfused", "alltoall", "alltoall_fp8"]
     assert "FAKE precision=fp8" in (out / "logs" / "mok_fp8.log").read_text()
     assert "FAKE precision=bf16" in (out / "logs" / "mok.log").read_text()
+    assert "wgrad=unfused" in (out / "logs" / "mok_unfused.log").read_text()  # after the recipe's flags
+    assert b["mok_unfused"]["status"] == "ok"
     fp8 = b["alltoall_fp8"]
     assert fp8["status"] == "skipped" and "TransformerEngine" in fp8["reason"] and "--transformer-impl local" in fp8["reason"]
     assert "alltoall_fp8: skipped: Megatron's FP8 recipe" in r.stderr

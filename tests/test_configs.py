@@ -238,6 +238,10 @@ def test_compare_backends_megatron_flags_parse_with_the_recipe(monkeypatch, tmp_
     assert args.mok_param_digest_every == 100 and args.deterministic_mode
     assert args.profile and args.use_pytorch_profiler and args.pytorch_profiler_collect_callstack
     assert (args.profile_step_start, args.profile_step_end, args.profile_ranks) == (12, 13, [0])
+    assert args.mok_wgrad_accumulation == "fused"  # the recipe's
+    moe_backend, extra = cb.backend_args("mok_unfused", gpu=True)
+    args = _parse_tokens([*_args_of(ONE_GPU), "--moe-backend", moe_backend, *extra], monkeypatch)
+    assert args.mok_wgrad_accumulation == "unfused"  # the variant's flag comes after the recipe's
 
 
 def _tiny_file(tmp_path: Path, *extra: str) -> Path:
