@@ -707,7 +707,7 @@ def retime(log, summary: dict, warmup: int, exclude: set) -> dict:
 
 SOAK_FIRST_ITER_REL_TOL = 2.0 ** -7  # two bf16 ulps, relative
 SOAK_LOSS_REL_FLOOR = 0.02  # window means: a relative gap always allowed
-SOAK_NOISE_FACTOR = 2.0  # window means: times the noise control's worst relative gap
+SOAK_NOISE_FACTOR = 2.0  # window means: times the worst noise control's worst relative gap
 SOAK_THROUGHPUT_TOL = 0.02
 NOISE_CONTROL_SUFFIX = "_control"
 
@@ -760,8 +760,8 @@ def soak_checks(results: dict, log_fields: dict, iters: int, digest_every: int) 
     # the noise controls: each B_control against B (noise_control_args); the worst sets the loss tolerance
     controls = []
     for ctrl in ok:
-        base = ctrl[: -len(NOISE_CONTROL_SUFFIX)]
-        if not ctrl.endswith(NOISE_CONTROL_SUFFIX) or base not in ok:
+        base = ctrl.removesuffix(NOISE_CONTROL_SUFFIX)
+        if base == ctrl or base not in ok:
             continue
         gaps = window_gaps(loss_curve(ok[ctrl]), loss_curve(ok[base]), iters)
         if gaps:
@@ -820,7 +820,7 @@ def soak_checks(results: dict, log_fields: dict, iters: int, digest_every: int) 
                 "detail": f"median {t_early:.1f} ms -> {t_late:.1f} ms ({100 * drift:+.2f} %)"}
         else:
             checks[f"{b}: throughput windows"] = {"ok": False, "detail": f"too few iterations for {early} and {late}"}
-        # loss agreement with the reference (the noise control and reruns are not compared)
+        # loss agreement with the reference (the noise controls and reruns are not compared)
         if b != ref and not b.endswith(("_rerun", NOISE_CONTROL_SUFFIX)):
             common = sorted(set(curve) & set(ref_curve))
             diffs = [abs(curve[i] - ref_curve[i]) for i in common]
@@ -1292,6 +1292,11 @@ def _pairs(items, parser, what):
     return pairs
 
 
+def _names(text: str) -> list[str]:
+    """The names of a comma-separated backend list (--backends, --rerun, --noise-control)."""
+    return [b.strip() for b in text.split(",") if b.strip()]
+
+
 def main(argv=None) -> int:
     a, parser = parse_args(sys.argv[1:] if argv is None else argv)
     command = " ".join([Path(sys.executable).name, *sys.argv])
@@ -1342,14 +1347,14 @@ def main(argv=None) -> int:
         cfg = REPO / a.config
     if not cfg.is_file():
         parser.error(f"config file not found: {a.config}")
-    backends = [b.strip() for b in a.backends.split(",") if b.strip()]
+    backends = _names(a.backends)
     bad = [b for b in backends if b not in KNOWN_BACKENDS]
     if bad or not backends:
         parser.error(f"unknown backend(s) {bad}: expected a comma-separated subset of {','.join(KNOWN_BACKENDS)}")
-    reruns = [b.strip() for b in a.rerun.split(",") if b.strip()]
+    reruns = _names(a.rerun)
     if any(b not in backends for b in reruns):
         parser.error(f"--rerun {a.rerun}: every rerun backend must also be in --backends ({a.backends})")
-    controls = [b.strip() for b in (a.noise_control or "none").split(",") if b.strip() not in ("", "none")]
+    controls = [b for b in _names(a.noise_control or "") if b != "none"]
     if controls and (not a.soak or any(b not in backends for b in controls)):
         parser.error(f"--noise-control {a.noise_control}: needs --soak and backends of --backends ({a.backends})")
     python = a.python or default_python()
