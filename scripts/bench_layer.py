@@ -110,10 +110,11 @@ import torch.nn.functional as F  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_mok.tools.shapes import MOE_SHAPES  # noqa: E402
+from megatron_mok.tools.shapes import MOE_SHAPES, PROXY_SHAPES  # noqa: E402
 
-# model: (experts, hidden H, expert I, top-k); one shared expert with Is = I (docs: DESIGN.md)
-SHAPES = {name: (s.num_experts, s.hidden, s.ffn, s.topk) for name, s in MOE_SHAPES.items()}
+# model or proxy: (experts, hidden H, expert I, top-k); one shared expert with Is = I (docs: DESIGN.md).
+# 'all' is the models.
+SHAPES = {name: (s.num_experts, s.hidden, s.ffn, s.topk) for name, s in {**MOE_SHAPES, **PROXY_SHAPES}.items()}
 BASELINES = {"alltoall": "bf16", "alltoall_fp8": "fp8", "symm_a2a": "bf16"}  # baseline -> its precision
 BACKENDS = ("mok", *BASELINES)
 ROUTINGS = ("random", "skewed")
@@ -1540,7 +1541,8 @@ def merge_results(old_rows: list[dict], new_rows: list[dict]) -> list[dict]:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="deepseek-v3", help=f"one of {list(SHAPES)}, a comma list, or 'all'")
+    p.add_argument("--shape", default="deepseek-v3",
+                   help=f"one of {list(SHAPES)}, a comma list, or 'all' (the models: {list(MOE_SHAPES)})")
     p.add_argument("--tokens", default="4096", help="tokens per GPU, comma list")
     p.add_argument("--backends", default="mok,mok@precision=fp8,alltoall,alltoall_fp8",
                    help=f"comma list of {BACKENDS} and mok@FIELD=VALUE[+FIELD=VALUE...] (MoKConfig fields)")
@@ -1578,7 +1580,7 @@ def parse_args(argv=None):
             p.error(str(exc))
     if len(set(args.backends_list)) != len(args.backends_list):
         p.error("a backend is named twice")
-    args.shapes = list(SHAPES) if args.shape == "all" else args.shape.split(",")
+    args.shapes = list(MOE_SHAPES) if args.shape == "all" else args.shape.split(",")
     for s in args.shapes:
         if s not in SHAPES:
             p.error(f"unknown shape {s!r}; choose from {list(SHAPES)} or 'all'")

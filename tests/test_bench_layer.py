@@ -73,7 +73,8 @@ def test_arguments_parse_and_refuse_what_is_gone():
                        "--tokens", "4096,8192", "--pass", "bwd"])
     assert a.backends_list == ["mok", "mok@precision=fp8", "alltoall", "alltoall_fp8"]
     assert a.routings == ["random", "skewed"] and a.token_list == [4096, 8192] and a.shapes == ["deepseek-v3"]
-    assert bl.parse_args(["--shape", "all"]).shapes == list(bl.SHAPES)
+    assert bl.parse_args(["--shape", "all"]).shapes == list(bl.MOE_SHAPES)
+    assert bl.parse_args(["--shape", "deepseek-v3-1gpu"]).shapes == ["deepseek-v3-1gpu"]
     for bad in (["--backends", "mok_ab"], ["--ab-env", "MOK_GEMM_EXPERT=0"], ["--breakdown"],
                 ["--timeline", "--pass", "bwd"], ["--routing", "zipf"], ["--shape", "gpt-oss"],
                 ["--backends", "mok,mok"]):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_mok.tools.shapes import MOE_SHAPES
+from megatron_mok.tools.shapes import MOE_SHAPES, PROXY_SHAPES
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 VARIANTS = ("", "-proxy", "-tiny")
@@ -193,6 +193,10 @@ def test_one_gpu_recipe_keeps_the_deepseek_v3_expert_regime(monkeypatch):
     tokens = args.micro_batch_size * args.seq_length
     rows = tokens * args.moe_router_topk / args.num_experts
     assert 256 <= rows <= 1024, rows
+    # bench_layer.py's proxy shape is this recipe's MoE layer
+    proxy = PROXY_SHAPES["deepseek-v3-1gpu"]
+    assert (proxy.num_experts, proxy.hidden, proxy.ffn, proxy.topk) == (
+        args.num_experts, args.hidden_size, args.moe_ffn_hidden_size, args.moe_router_topk)
     # The same per-GPU regime with the EP=2 flags of the recipe's comment.
     ep2 = _parse_tokens([*_args_of(ONE_GPU), "--moe-backend", "alltoall", *EP2_FLAGS], monkeypatch)
     assert ep2.num_experts // ep2.expert_model_parallel_size == args.num_experts

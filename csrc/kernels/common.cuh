@@ -299,6 +299,17 @@ __device__ __forceinline__ void tma_load_2d(void* smem_dst, const CUtensorMap* m
       : "memory");
 }
 
+// 3D tiled load of box {c0 (inner), c1, c2} into shared memory, completing on `bar` (the fp32
+// weight-gradient epilogue's main_grad boxes).
+__device__ __forceinline__ void tma_load_3d(void* smem_dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
+                                            int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];" ::"r"(smem_u32(smem_dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
+      : "memory");
+}
+
 // 4D tiled load of box {c0 (inner), c1, c2, c3} (the expert GEMM's interleaved gate/up weights).
 __device__ __forceinline__ void tma_load_4d(void* smem_dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
                                             int c2, int c3) {
@@ -325,16 +336,6 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void*
                    reinterpret_cast<uint64_t>(map)),
                "r"(smem_u32(smem_src)), "r"(c0), "r"(c1), "r"(c2), "l"(policy)
                : "memory");
-}
-// TMA reduce-add of a 3D box from shared memory into global memory (out += box, element by element
-// in the L2; one add per element and launch is deterministic), otherwise as tma_store_3d.
-__device__ __forceinline__ void tma_add_3d(const CUtensorMap* map, const void* smem_src, int c0, int c1, int c2,
-                                           uint64_t policy) {
-  asm volatile(
-      "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group.L2::cache_hint [%0, {%2, %3, %4}], [%1], "
-      "%5;" ::"l"(reinterpret_cast<uint64_t>(map)),
-      "r"(smem_u32(smem_src)), "r"(c0), "r"(c1), "r"(c2), "l"(policy)
-      : "memory");
 }
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // This thread's bulk groups have read their shared memory (it may be overwritten).

@@ -28,3 +28,8 @@ MOE_SHAPES = {
         MoEShape("deepseek-v4-pro", 384, 7168, 3072, 6),
     )
 }
+
+# The MoE layer of the one-GPU training proxy (configs/deepseek-v3-1gpu.args): DeepSeek-V3's expert
+# shape with 16 experts, so a micro-batch of T=2048 tokens routes ~1024 rows to an expert, as there.
+# bench_layer.py measures it by name; it is not a model of its own (no recipe triple).
+PROXY_SHAPES = {s.name: s for s in (MoEShape("deepseek-v3-1gpu", 16, 7168, 2048, 8),)}

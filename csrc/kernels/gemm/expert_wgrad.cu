@@ -15,6 +15,11 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const auto sm = xwgrad::carve_smem(smem_raw);
   gemm::init_ring_barriers(sm, sm.kStages);
+  if (kAddF32 && threadIdx.x == 64) {
+    mbar_init(sm.main_grad_full(0), 1);
+    mbar_init(sm.main_grad_full(1), 1);
+    mbar_fence_init();
+  }
   __syncthreads();
   const int tasks = xwgrad::num_tasks(p);
   gemm::run_roles(
@@ -28,14 +33,20 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
       [] {},
       [&](int cw) {
         float acc[128];
-        uint32_t it = 0;
+        uint32_t it = 0, main_grad_phase = 0;
         for (int u = blockIdx.x; u < tasks; u += gridDim.x) {
           const xwgrad::Task t = xwgrad::decode(p, u);
           // e4m3: the scales' loads are in flight during the MMA
           const auto scales = xwgrad::task_scales<Ops>(p, sm, a_scale, b_scale, t, cw);
-          xwgrad::mma_task<Ops>(p, sm, cw, t, acc, it);
-          if constexpr (kAddF32) xwgrad::add_task_f32(p, sm, &tmOut, t, cw, acc, scales);
-          else xwgrad::store_task_tma(p, sm, &tmOut, t, cw, acc, scales);
+          if constexpr (kAddF32) {
+            xwgrad::mma_task<Ops>(p, sm, cw, t, acc, it, [&] {
+              if (threadIdx.x % 128 == 0) xwgrad::load_main_grad_half(sm, &tmOut, t, cw, 0);
+            });
+            xwgrad::add_task_f32(p, sm, &tmOut, t, cw, acc, main_grad_phase, scales);
+          } else {
+            xwgrad::mma_task<Ops>(p, sm, cw, t, acc, it);
+            xwgrad::store_task_tma(p, sm, &tmOut, t, cw, acc, scales);
+          }
         }
         if (threadIdx.x % 128 == 0) bulk_wait_all();  // the boxes stay until TMA is done
       });

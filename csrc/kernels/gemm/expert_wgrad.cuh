@@ -47,7 +47,9 @@ struct Smem {
   static constexpr int kOutPerWG = 4 * 64 * 128;  // four [64][64] bf16 boxes per consumer warpgroup
   static constexpr int kOffOut = kStages * (kABytes + kBBytes);
   static constexpr int kOffBarriers = kOffOut + 2 * kOutPerWG;
-  static constexpr int kOffColScales = kOffBarriers + 2 * kStages * 8;  // e4m3: a task's column scales per warpgroup
+  // fp32 out: one barrier per consumer warpgroup, main_grad loaded into its boxes
+  static constexpr int kOffMainGradBarriers = kOffBarriers + 2 * kStages * 8;
+  static constexpr int kOffColScales = kOffMainGradBarriers + 2 * 8;  // e4m3: a task's column scales per warpgroup
   static constexpr int kBytes = kOffColScales + 2 * WN * 4 + 1024 /* alignment */;
   uint8_t* base;
   __device__ __forceinline__ uint8_t* w(int s) const { return base + s * kABytes; }
@@ -55,6 +57,9 @@ struct Smem {
   __device__ __forceinline__ uint8_t* out(int cw) const { return base + kOffOut + cw * kOutPerWG; }
   __device__ __forceinline__ uint64_t* full(int s) const { return reinterpret_cast<uint64_t*>(base + kOffBarriers) + s; }
   __device__ __forceinline__ uint64_t* empty(int s) const { return full(kStages + s); }
+  __device__ __forceinline__ uint64_t* main_grad_full(int cw) const {
+    return reinterpret_cast<uint64_t*>(base + kOffMainGradBarriers) + cw;
+  }
   __device__ __forceinline__ float* col_scales(int cw) const {
     return reinterpret_cast<float*>(base + kOffColScales) + cw * WN;
   }
@@ -191,10 +196,16 @@ __device__ __forceinline__ void tail_stage(const Ring& sm, int s, int cw, float 
   wgmma_wait<0>();
 }
 
+struct Nothing {
+  __device__ __forceinline__ void operator()() const {}
+};
+
 // Consumer warpgroup cw: dW rows 64 cw .. 64 cw + 63 of the task against its 256 columns.
-template <class Ops = Bf16Operands, class Ring>
+// in_flight() runs once, while the MMA of the task's second full stage (or its only stage) is in
+// flight: the fp32 epilogue's first main_grad load starts there.
+template <class Ops = Bf16Operands, class Ring, class InFlight = Nothing>
 __device__ __forceinline__ void mma_task(const Params& p, const Ring& sm, int cw, const Task& t, float (&acc)[128],
-                                         uint32_t& it) {
+                                         uint32_t& it, InFlight&& in_flight = InFlight{}) {
   constexpr int kStages = Ring::kStages;
   static_assert(Ops::kStageRows == 4 * Ops::kGroup, "four MMA groups a stage");
   const int kr = k_rows<Ops::kGroup>(p, t.seg);  // 0 for an expert without rows: store_task writes zeros
@@ -206,9 +217,11 @@ __device__ __forceinline__ void mma_task(const Params& p, const Ring& sm, int cw
     issue_groups<4, Ops>(sm, s, cw, acc, kb > 0);
     gemm::commit_and_release_previous<false>(prev, [&](int i) { return sm.empty(i); });
     prev = s;
+    if (kb == min(1, full - 1)) in_flight();
   }
   wgmma_wait<0>();
   if (prev >= 0) gemm::release_stage<false>(sm.empty(prev));
+  if (full == 0 && tail > 0) in_flight();  // an expert without rows loads nothing
   if (tail > 0) {
     // the last stage holds 1-3 MMA groups of the expert: one straight-line sequence per count,
     // with nothing in flight across the branch
@@ -359,14 +372,20 @@ __device__ __forceinline__ void store_task_tma(const Params& p, const Ring& sm, 
 }
 
 // fp32 epilogue (Megatron's main_grad, gradient-accumulation fusion): out += the task's tile in
-// fp32, so dW is never rounded to bf16 nor written twice. A [64 rows][32 columns] fp32 box has
-// 128-byte rows like the bf16 boxes; the warpgroup's four boxes hold 128 columns, so a task adds its
-// 64 x 256 half in two rounds. Columns 32 b .. 32 b + 31 of the half (b = 0..7) into one swizzled box:
-// acc[4 g + 2 s + h] (layout above) goes to row 16 w + lane / 4 + 8 s, 16-byte chunk 2 (g % 4) +
-// (lane % 4) / 2 at c ^ (r % 8), bytes 8 (lane % 2) .. +7.
+// fp32, so dW is never rounded to bf16 nor written twice. Each element has one owner, which reads,
+// adds and writes it: no atomics, and the same bits as main_grad.add_(dW) in fp32. A [64 rows][32
+// columns] fp32 box has 128-byte rows like the bf16 boxes; the warpgroup's four boxes hold 128
+// columns, so a task adds its 64 x 256 half in two rounds: TMA loads main_grad into the boxes, the
+// threads add their accumulators in place, TMA stores the boxes back. The first round's load is
+// issued during the task's MMA (load_main_grad_half from mma_task's in_flight), so its HBM read
+// overlaps the MMA instead of following it; the second round's waits for the first round's store.
+//
+// Columns 32 b .. 32 b + 31 of the half (b = 0..7) in one swizzled box: acc[4 g + 2 s + h] (layout
+// above) is at row 16 w + lane / 4 + 8 s, 16-byte chunk 2 (g % 4) + (lane % 4) / 2 at c ^ (r % 8),
+// bytes 8 (lane % 2) .. +7.
 template <class Slice>
-__device__ __forceinline__ void stage_box_f32(uint32_t box, const float (&acc)[128], int b, int w, int lane,
-                                              const Slice& scale) {
+__device__ __forceinline__ void add_box_f32(uint32_t box, const float (&acc)[128], int b, int w, int lane,
+                                            const Slice& scale) {
 #pragma unroll
   for (int gg = 0; gg < 4; ++gg) {
     const int g = 4 * b + gg;
@@ -375,43 +394,66 @@ __device__ __forceinline__ void stage_box_f32(uint32_t box, const float (&acc)[1
       const int row = 16 * w + lane / 4 + 8 * s;
       const int chunk = 2 * gg + (lane % 4) / 2;
       const uint32_t addr = box + row * 128 + ((chunk ^ (row % 8)) << 4) + (lane % 2) * 8;
-      const float v0 = scale(g % 8, 2 * s, acc[4 * g + 2 * s]);
-      const float v1 = scale(g % 8, 2 * s + 1, acc[4 * g + 2 * s + 1]);
+      float m0, m1;
+      asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(m0), "=f"(m1) : "r"(addr) : "memory");
+      const float v0 = __fadd_rn(m0, scale(g % 8, 2 * s, acc[4 * g + 2 * s]));
+      const float v1 = __fadd_rn(m1, scale(g % 8, 2 * s + 1, acc[4 * g + 2 * s + 1]));
       asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(v0), "f"(v1) : "memory");
     }
   }
 }
 
-// out (fp32, viewed as [nseg][M][N]) += the warpgroup's 64 x 256 half, by TMA reduce-adds of the
-// boxes above. An expert without rows adds nothing.
+// Thread 0 of warpgroup cw: once TMA has read the boxes' last contents, load main_grad columns
+// 128 half .. 128 half + 127 of the warpgroup's 64 rows of task t into them (parts past M or N load
+// as zeros and are not stored back).
+template <class Ring>
+__device__ __forceinline__ void load_main_grad_half(const Ring& sm, const CUtensorMap* tmOut, const Task& t, int cw,
+                                                    int half) {
+  bulk_wait_read_all();
+  mbar_arrive_expect_tx(sm.main_grad_full(cw), 4 * kBoxBytes);
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    tma_load_3d(sm.out(cw) + i * kBoxBytes, tmOut, sm.main_grad_full(cw), t.nb * WN + 128 * half + 32 * i,
+                t.mb * WM + cw * 64, t.seg);
+}
+
+// out (fp32, viewed as [nseg][M][N]) += the warpgroup's 64 x 256 half; the first half's load was
+// issued by mma_task. phase: the parity of main_grad_full(cw)'s next phase. An expert without rows
+// adds (and loads) nothing.
 template <class Ring, class Scale = Unscaled>
 __device__ __forceinline__ void add_task_f32(const Params& p, const Ring& sm, const CUtensorMap* tmOut,
-                                             const Task& t, int cw, const float (&acc)[128],
+                                             const Task& t, int cw, const float (&acc)[128], uint32_t& phase,
                                              const Scale& scale = Scale{}) {
   if (k_rows(p, t.seg) == 0) return;
   const int tid = threadIdx.x % 128;
   const int w = tid / 32, lane = tid % 32;
+  const int bar = 2 + cw;
   const uint32_t boxes = smem_u32(sm.out(cw));
-  scale.stage();  // the previous task's slices were read before its closing barrier
+  scale.stage();  // the previous task's slices were read before its last barrier
 #pragma unroll
-  for (int round = 0; round < 2; ++round)
-    box_round(
-        cw,
-        [&] {
+  for (int half = 0; half < 2; ++half) {
+    if (half == 1 && tid == 0) load_main_grad_half(sm, tmOut, t, cw, 1);
+    mbar_wait(sm.main_grad_full(cw), phase);
+    phase ^= 1;
+    if (half == 0) warpgroup_bar_sync(bar);  // the column scales staged
 #pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            const int sl = 2 * round + i;  // 64-column slice: boxes 2 sl and 2 sl + 1
-            const auto sc = scale.slice(sl);
-            stage_box_f32(boxes + (2 * i) * kBoxBytes, acc, 2 * sl, w, lane, sc);
-            stage_box_f32(boxes + (2 * i + 1) * kBoxBytes, acc, 2 * sl + 1, w, lane, sc);
-          }
-        },
-        [&](uint64_t policy) {
+    for (int i = 0; i < 2; ++i) {
+      const int sl = 2 * half + i;  // 64-column slice: boxes 2 sl and 2 sl + 1
+      const auto sc = scale.slice(sl);
+      add_box_f32(boxes + (2 * i) * kBoxBytes, acc, 2 * sl, w, lane, sc);
+      add_box_f32(boxes + (2 * i + 1) * kBoxBytes, acc, 2 * sl + 1, w, lane, sc);
+    }
+    fence_proxy_async_shared();
+    warpgroup_bar_sync(bar);
+    if (tid == 0) {
+      const uint64_t policy = l2_evict_first_policy();
 #pragma unroll
-          for (int i = 0; i < 4; ++i)
-            tma_add_3d(tmOut, sm.out(cw) + i * kBoxBytes, t.nb * WN + 128 * round + 32 * i, t.mb * WM + cw * 64,
-                       t.seg, policy);
-        });
+      for (int i = 0; i < 4; ++i)
+        tma_store_3d(tmOut, sm.out(cw) + i * kBoxBytes, t.nb * WN + 128 * half + 32 * i, t.mb * WM + cw * 64, t.seg,
+                     policy);
+      bulk_commit_group();
+    }
+  }
 }
 
 // ---- host side -----------------------------------------------------------------------------------
@@ -441,7 +483,8 @@ inline const char* make_out_map(CUtensorMap* map, void* out, int nseg, int M, in
   return encode_tmap_bf16(map, out, 3, dims, strides, box);
 }
 
-// The fp32 epilogue's out [nseg][M][N] in boxes of 64 rows x 32 columns (add_task_f32).
+// The fp32 epilogue's out [nseg][M][N] in boxes of 64 rows x 32 columns (add_task_f32: loaded and
+// stored).
 inline const char* make_out_map_f32(CUtensorMap* map, void* out, int nseg, int M, int N) {
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(N), static_cast<cuuint64_t>(M), static_cast<cuuint64_t>(nseg)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(N) * 4, static_cast<cuuint64_t>(M) * N * 4};
