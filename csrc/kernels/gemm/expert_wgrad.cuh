@@ -326,23 +326,27 @@ __device__ __forceinline__ void stage_box(uint32_t box, const float (&acc)[128],
   }
 }
 
-// One round of a TMA-store epilogue on the warpgroup's four boxes: wait until TMA has read their
-// previous contents, stage() fills them, then one thread hands them to TMA, issue(policy), as one bulk
-// group. The policy is evict-first: the output is written once and not read here, so the operands
-// that the expert's other tasks read again stay in L2.
-template <class Stage, class Issue>
-__device__ __forceinline__ void box_round(int cw, Stage&& stage, Issue&& issue) {
-  const int tid = threadIdx.x % 128;
-  const int bar = 2 + cw;
-  if (tid == 0) bulk_wait_read_all();
-  warpgroup_bar_sync(bar);
-  stage();
+// The warpgroup's threads have written its boxes: fence them into the async proxy, then one thread
+// hands them to TMA, issue(policy), as one bulk group. The policy is evict-first: the output is
+// written once and not read here, so the operands that the expert's other tasks read again stay in L2.
+template <class Issue>
+__device__ __forceinline__ void store_boxes(int cw, Issue&& issue) {
   fence_proxy_async_shared();
-  warpgroup_bar_sync(bar);
-  if (tid == 0) {
+  warpgroup_bar_sync(2 + cw);
+  if (threadIdx.x % 128 == 0) {
     issue(l2_evict_first_policy());
     bulk_commit_group();
   }
+}
+
+// One round of a TMA-store epilogue on the warpgroup's four boxes: wait until TMA has read their
+// previous contents, stage() fills them, then store_boxes(issue).
+template <class Stage, class Issue>
+__device__ __forceinline__ void box_round(int cw, Stage&& stage, Issue&& issue) {
+  if (threadIdx.x % 128 == 0) bulk_wait_read_all();
+  warpgroup_bar_sync(2 + cw);
+  stage();
+  store_boxes(cw, issue);
 }
 
 // TMA stores: the warpgroup's 64 x 256 half as four swizzled [64 rows][64 columns] boxes (128-byte
@@ -427,7 +431,6 @@ __device__ __forceinline__ void add_task_f32(const Params& p, const Ring& sm, co
   if (k_rows(p, t.seg) == 0) return;
   const int tid = threadIdx.x % 128;
   const int w = tid / 32, lane = tid % 32;
-  const int bar = 2 + cw;
   const uint32_t boxes = smem_u32(sm.out(cw));
   scale.stage();  // the previous task's slices were read before its last barrier
 #pragma unroll
@@ -435,7 +438,7 @@ __device__ __forceinline__ void add_task_f32(const Params& p, const Ring& sm, co
     if (half == 1 && tid == 0) load_main_grad_half(sm, tmOut, t, cw, 1);
     mbar_wait(sm.main_grad_full(cw), phase);
     phase ^= 1;
-    if (half == 0) warpgroup_bar_sync(bar);  // the column scales staged
+    if (half == 0) warpgroup_bar_sync(2 + cw);  // the column scales staged
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int sl = 2 * half + i;  // 64-column slice: boxes 2 sl and 2 sl + 1
@@ -443,16 +446,12 @@ __device__ __forceinline__ void add_task_f32(const Params& p, const Ring& sm, co
       add_box_f32(boxes + (2 * i) * kBoxBytes, acc, 2 * sl, w, lane, sc);
       add_box_f32(boxes + (2 * i + 1) * kBoxBytes, acc, 2 * sl + 1, w, lane, sc);
     }
-    fence_proxy_async_shared();
-    warpgroup_bar_sync(bar);
-    if (tid == 0) {
-      const uint64_t policy = l2_evict_first_policy();
+    store_boxes(cw, [&](uint64_t policy) {
 #pragma unroll
       for (int i = 0; i < 4; ++i)
         tma_store_3d(tmOut, sm.out(cw) + i * kBoxBytes, t.nb * WN + 128 * half + 32 * i, t.mb * WM + cw * 64, t.seg,
                      policy);
-      bulk_commit_group();
-    }
+    });
   }
 }
 
