@@ -27,8 +27,11 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
         tma_prefetch_desc(&tmA);
         tma_prefetch_desc(&tmB);
         uint32_t it = 0;
-        for (int u = blockIdx.x; u < tasks; u += gridDim.x)
-          xwgrad::produce_task<Ops>(p, &tmA, &tmB, sm, xwgrad::decode(p, u), it);
+        for (int u = blockIdx.x; u < tasks; u += gridDim.x) {
+          const xwgrad::Task t = xwgrad::decode(p, u);
+          xwgrad::produce_task<Ops>(p, &tmA, &tmB, sm, t, it);
+          if constexpr (kAddF32) xwgrad::produce_main_grad_round<Ops>(p, &tmOut, sm, t, it);
+        }
       },
       [] {},
       [&](int cw) {
@@ -40,9 +43,9 @@ __global__ void __launch_bounds__(xgemm::kThreads, 1)
           const auto scales = xwgrad::task_scales<Ops>(p, sm, a_scale, b_scale, t, cw);
           if constexpr (kAddF32) {
             xwgrad::mma_task<Ops>(p, sm, cw, t, acc, it, [&] {
-              if (threadIdx.x % 128 == 0) xwgrad::load_main_grad_half(sm, &tmOut, t, cw, 0);
+              if (threadIdx.x % 128 == 0) xwgrad::load_main_grad_first_round(sm, &tmOut, t, cw);
             });
-            xwgrad::add_task_f32(p, sm, &tmOut, t, cw, acc, main_grad_phase, scales);
+            xwgrad::add_task_f32(p, sm, &tmOut, t, cw, acc, main_grad_phase, it, scales);
           } else {
             xwgrad::mma_task<Ops>(p, sm, cw, t, acc, it);
             xwgrad::store_task_tma(p, sm, &tmOut, t, cw, acc, scales);

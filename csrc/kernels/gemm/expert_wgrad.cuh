@@ -378,11 +378,14 @@ __device__ __forceinline__ void store_task_tma(const Params& p, const Ring& sm, 
 // fp32 epilogue (Megatron's main_grad, gradient-accumulation fusion): out += the task's tile in
 // fp32, so dW is never rounded to bf16 nor written twice. Each element has one owner, which reads,
 // adds and writes it: no atomics, and the same bits as main_grad.add_(dW) in fp32. A [64 rows][32
-// columns] fp32 box has 128-byte rows like the bf16 boxes; the warpgroup's four boxes hold 128
-// columns, so a task adds its 64 x 256 half in two rounds: TMA loads main_grad into the boxes, the
-// threads add their accumulators in place, TMA stores the boxes back. The first round's load is
-// issued during the task's MMA (load_main_grad_half from mma_task's in_flight), so its HBM read
-// overlaps the MMA instead of following it; the second round's waits for the first round's store.
+// columns] fp32 box has 128-byte rows like the bf16 boxes; four boxes hold 128 columns, so a
+// warpgroup adds its 64 x 256 half in two rounds of four boxes: TMA loads main_grad into them, the
+// threads add their accumulators in place, TMA stores them back. Both loads are in flight before
+// the MMA ends: the first round's into the warpgroup's boxes, issued during the task's MMA
+// (load_main_grad_first_round from mma_task's in_flight); the second round's into the B part of
+// the two ring slots after the task's last stage (produce_main_grad_round, warpgroup cw's in slot
+// it + cw), issued by the producer as those slots free up; the consumers give them back once TMA
+// has read the stored boxes out of them.
 //
 // Columns 32 b .. 32 b + 31 of the half (b = 0..7) in one swizzled box: acc[4 g + 2 s + h] (layout
 // above) is at row 16 w + lane / 4 + 8 s, 16-byte chunk 2 (g % 4) + (lane % 4) / 2 at c ^ (r % 8),
@@ -407,52 +410,85 @@ __device__ __forceinline__ void add_box_f32(uint32_t box, const float (&acc)[128
   }
 }
 
-// Thread 0 of warpgroup cw: once TMA has read the boxes' last contents, load main_grad columns
-// 128 half .. 128 half + 127 of the warpgroup's 64 rows of task t into them (parts past M or N load
-// as zeros and are not stored back).
+// Thread 0 of warpgroup cw: once TMA has read the boxes' last contents, load the first round of
+// its main_grad (columns 0 .. 127 of the warpgroup's 64 rows of task t) into them (parts past M or
+// N load as zeros and are not stored back).
 template <class Ring>
-__device__ __forceinline__ void load_main_grad_half(const Ring& sm, const CUtensorMap* tmOut, const Task& t, int cw,
-                                                    int half) {
+__device__ __forceinline__ void load_main_grad_first_round(const Ring& sm, const CUtensorMap* tmOut, const Task& t,
+                                                           int cw) {
   bulk_wait_read_all();
   mbar_arrive_expect_tx(sm.main_grad_full(cw), 4 * kBoxBytes);
 #pragma unroll
   for (int i = 0; i < 4; ++i)
-    tma_load_3d(sm.out(cw) + i * kBoxBytes, tmOut, sm.main_grad_full(cw), t.nb * WN + 128 * half + 32 * i,
-                t.mb * WM + cw * 64, t.seg);
+    tma_load_3d(sm.out(cw) + i * kBoxBytes, tmOut, sm.main_grad_full(cw), t.nb * WN + 32 * i, t.mb * WM + cw * 64,
+                t.seg);
 }
 
-// out (fp32, viewed as [nseg][M][N]) += the warpgroup's 64 x 256 half; the first half's load was
-// issued by mma_task. phase: the parity of main_grad_full(cw)'s next phase. An expert without rows
-// adds (and loads) nothing.
+// Producer thread, after task t's stages: the second round of each warpgroup's main_grad (columns
+// 128 .. 255 of its 64 rows) into the B part of the next two ring slots, warpgroup cw's into slot
+// it + cw. An expert without rows loads nothing (its consumers take no slot either).
+template <class Ops, class Ring>
+__device__ __forceinline__ void produce_main_grad_round(const Params& p, const CUtensorMap* tmOut, const Ring& sm,
+                                                        const Task& t, uint32_t& it) {
+  static_assert(4 * kBoxBytes <= kBBytes, "a round's four boxes fit a stage's B part");
+  if (k_rows<Ops::kGroup>(p, t.seg) == 0) return;
+#pragma unroll
+  for (int cw = 0; cw < 2; ++cw, ++it) {
+    const int s = it % Ring::kStages;
+    gemm::ring_wait<false>(sm.empty(s), ((it / Ring::kStages) & 1) ^ 1, nullptr);
+    mbar_arrive_expect_tx(sm.full(s), 4 * kBoxBytes);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      tma_load_3d(sm.x(s) + i * kBoxBytes, tmOut, sm.full(s), t.nb * WN + 128 + 32 * i, t.mb * WM + cw * 64, t.seg);
+  }
+}
+
+// out (fp32, viewed as [nseg][M][N]) += the warpgroup's 64 x 256 half: the first round in its boxes
+// (loaded from mma_task's in_flight; phase: the parity of main_grad_full(cw)'s next phase), the
+// second in ring slot it + cw (produce_main_grad_round). Both ring slots go back once TMA has read
+// this warpgroup's stores out of them. An expert without rows adds (and loads) nothing.
 template <class Ring, class Scale = Unscaled>
 __device__ __forceinline__ void add_task_f32(const Params& p, const Ring& sm, const CUtensorMap* tmOut,
                                              const Task& t, int cw, const float (&acc)[128], uint32_t& phase,
-                                             const Scale& scale = Scale{}) {
+                                             uint32_t& it, const Scale& scale = Scale{}) {
+  constexpr int kStages = Ring::kStages;
   if (k_rows(p, t.seg) == 0) return;
   const int tid = threadIdx.x % 128;
   const int w = tid / 32, lane = tid % 32;
-  const uint32_t boxes = smem_u32(sm.out(cw));
+  const int slot = (it + cw) % kStages;
   scale.stage();  // the previous task's slices were read before its last barrier
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    if (half == 1 && tid == 0) load_main_grad_half(sm, tmOut, t, cw, 1);
-    mbar_wait(sm.main_grad_full(cw), phase);
-    phase ^= 1;
-    if (half == 0) warpgroup_bar_sync(2 + cw);  // the column scales staged
+    uint8_t* const boxes = half == 0 ? sm.out(cw) : sm.x(slot);
+    if (half == 0) {
+      mbar_wait(sm.main_grad_full(cw), phase);
+      phase ^= 1;
+      warpgroup_bar_sync(2 + cw);  // the column scales staged
+    } else {
+      gemm::ring_wait<false>(sm.full(slot), ((it + cw) / kStages) & 1, nullptr);
+    }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int sl = 2 * half + i;  // 64-column slice: boxes 2 sl and 2 sl + 1
       const auto sc = scale.slice(sl);
-      add_box_f32(boxes + (2 * i) * kBoxBytes, acc, 2 * sl, w, lane, sc);
-      add_box_f32(boxes + (2 * i + 1) * kBoxBytes, acc, 2 * sl + 1, w, lane, sc);
+      add_box_f32(smem_u32(boxes) + (2 * i) * kBoxBytes, acc, 2 * sl, w, lane, sc);
+      add_box_f32(smem_u32(boxes) + (2 * i + 1) * kBoxBytes, acc, 2 * sl + 1, w, lane, sc);
     }
     store_boxes(cw, [&](uint64_t policy) {
 #pragma unroll
       for (int i = 0; i < 4; ++i)
-        tma_store_3d(tmOut, sm.out(cw) + i * kBoxBytes, t.nb * WN + 128 * half + 32 * i, t.mb * WM + cw * 64, t.seg,
+        tma_store_3d(tmOut, boxes + i * kBoxBytes, t.nb * WN + 128 * half + 32 * i, t.mb * WM + cw * 64, t.seg,
                      policy);
     });
   }
+  // Free both slots. The other warpgroup's slot is waited for first: its fill is what proves that
+  // the slot's previous phase has ended, so this arrival cannot count toward that phase.
+  const uint32_t other = it + 1 - cw;
+  gemm::ring_wait<false>(sm.full(other % kStages), (other / kStages) & 1, nullptr);
+  if (tid == 0) bulk_wait_read_all();
+  warpgroup_bar_sync(2 + cw);
+#pragma unroll
+  for (int i = 0; i < 2; ++i, ++it) gemm::release_stage<false>(sm.empty(it % kStages));
 }
 
 // ---- host side -----------------------------------------------------------------------------------
