@@ -497,6 +497,10 @@ def test_compare_soak_fails_on_drift_or_loss_gap(tmp_path, env, failing):
     assert r.returncode == 1
     bad = [k for k, c in rep["soak"]["checks"].items() if not c["ok"]]
     assert bad and all(failing in k for k in bad), bad
+    if "FAKE_SLOWDOWN" in env:  # a real slowdown moves the window's fastest steps too, and the report says so
+        pb = rep["soak"]["backends"]["mok"]
+        assert pb["p10_step_ms_late"] > pb["p10_step_ms_early"] > 0
+        assert "10th percentile" in rep["soak"]["checks"][bad[0]]["detail"]
 
 
 def test_soak_loss_tolerance_follows_the_noise_control(tmp_path):
