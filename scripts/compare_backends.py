@@ -806,8 +806,11 @@ def soak_checks(results: dict, log_fields: dict, iters: int, digest_every: int) 
         digest_its = {i for i in times if digest_every and ((i - 1) % digest_every == 0 or i == iters)}
 
         def window(a, b_, times=times, skip=digest_its):
+            """(median, 10th percentile) of the window's step times."""
             v = [t for i, t in times.items() if a < i <= b_ and i not in skip and math.isfinite(t)]
-            return (statistics.median(v), statistics.quantiles(v, n=10)[0] if len(v) > 1 else v[0]) if v else (None, None)
+            if not v:
+                return None, None
+            return statistics.median(v), statistics.quantiles(v, n=10)[0] if len(v) > 1 else v[0]
 
         (t_early, p10_early), (t_late, p10_late) = window(*early), window(*late)
         pb["median_step_ms_early"], pb["median_step_ms_late"] = t_early, t_late
@@ -819,8 +822,8 @@ def soak_checks(results: dict, log_fields: dict, iters: int, digest_every: int) 
             pb["throughput_drift"] = drift
             checks[f"{b}: steps {late[0]}-{late[1]} within 2% of {early[0]}-{early[1]}"] = {
                 "ok": abs(drift) <= SOAK_THROUGHPUT_TOL,
-                "detail": f"median {t_early:.1f} ms -> {t_late:.1f} ms ({100 * drift:+.2f} %); "
-                          f"10th percentile {p10_early:.1f} ms -> {p10_late:.1f} ms ({100 * (p10_late / p10_early - 1):+.2f} %)"}
+                "detail": f"median {t_early:.1f} ms -> {t_late:.1f} ms ({100 * drift:+.2f} %); 10th percentile "
+                          f"{p10_early:.1f} ms -> {p10_late:.1f} ms ({100 * (p10_late / p10_early - 1):+.2f} %)"}
         else:
             checks[f"{b}: throughput windows"] = {"ok": False, "detail": f"too few iterations for {early} and {late}"}
         # loss agreement with the reference (the noise controls and reruns are not compared)

@@ -410,6 +410,14 @@ __device__ __forceinline__ void add_box_f32(uint32_t box, const float (&acc)[128
   }
 }
 
+// fp32 box b (columns 32 b .. 32 b + 31 of warpgroup cw's 64 x 256 half of task t) in the fp32 out
+// map's coordinates: where its main_grad is loaded from and stored back to.
+struct F32Box {
+  int col, row, seg;
+  __device__ __forceinline__ F32Box(const Task& t, int cw, int b)
+      : col(t.nb * WN + 32 * b), row(t.mb * WM + cw * 64), seg(t.seg) {}
+};
+
 // Thread 0 of warpgroup cw: once TMA has read the boxes' last contents, load the first round of
 // its main_grad (columns 0 .. 127 of the warpgroup's 64 rows of task t) into them (parts past M or
 // N load as zeros and are not stored back).
@@ -419,9 +427,10 @@ __device__ __forceinline__ void load_main_grad_first_round(const Ring& sm, const
   bulk_wait_read_all();
   mbar_arrive_expect_tx(sm.main_grad_full(cw), 4 * kBoxBytes);
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
-    tma_load_3d(sm.out(cw) + i * kBoxBytes, tmOut, sm.main_grad_full(cw), t.nb * WN + 32 * i, t.mb * WM + cw * 64,
-                t.seg);
+  for (int i = 0; i < 4; ++i) {
+    const F32Box c(t, cw, i);
+    tma_load_3d(sm.out(cw) + i * kBoxBytes, tmOut, sm.main_grad_full(cw), c.col, c.row, c.seg);
+  }
 }
 
 // Producer thread, after task t's stages: the second round of each warpgroup's main_grad (columns
@@ -438,8 +447,10 @@ __device__ __forceinline__ void produce_main_grad_round(const Params& p, const C
     gemm::ring_wait<false>(sm.empty(s), ((it / Ring::kStages) & 1) ^ 1, nullptr);
     mbar_arrive_expect_tx(sm.full(s), 4 * kBoxBytes);
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-      tma_load_3d(sm.x(s) + i * kBoxBytes, tmOut, sm.full(s), t.nb * WN + 128 + 32 * i, t.mb * WM + cw * 64, t.seg);
+    for (int i = 0; i < 4; ++i) {
+      const F32Box c(t, cw, 4 + i);
+      tma_load_3d(sm.x(s) + i * kBoxBytes, tmOut, sm.full(s), c.col, c.row, c.seg);
+    }
   }
 }
 
@@ -476,9 +487,10 @@ __device__ __forceinline__ void add_task_f32(const Params& p, const Ring& sm, co
     }
     store_boxes(cw, [&](uint64_t policy) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        tma_store_3d(tmOut, boxes + i * kBoxBytes, t.nb * WN + 128 * half + 32 * i, t.mb * WM + cw * 64, t.seg,
-                     policy);
+      for (int i = 0; i < 4; ++i) {
+        const F32Box c(t, cw, 4 * half + i);
+        tma_store_3d(tmOut, boxes + i * kBoxBytes, c.col, c.row, c.seg, policy);
+      }
     });
   }
   // Free both slots. The other warpgroup's slot is waited for first: its fill is what proves that
