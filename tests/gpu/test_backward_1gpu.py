@@ -218,7 +218,7 @@ def test_expert_wgrad_fp32_many_short_experts():
     a, b = a.bfloat16().to(DEV), b.bfloat16().to(DEV)
     off = torch.tensor(offs, dtype=torch.int32, device=DEV)
     cnt = counts.to(torch.int32).to(DEV)
-    dw = torch.empty((E, M, N), dtype=torch.bfloat16, device=DEV)
+    dw = torch.full((E, M, N), float("nan"), dtype=torch.bfloat16, device=DEV)  # poisoned: every element is written
     ops.expert_wgrad(a, off, b, off, cnt, dw)
     base = torch.randn((E, M, N), generator=gen).to(DEV)
     first = None
