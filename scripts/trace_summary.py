@@ -7,11 +7,18 @@ Megatron writes such a trace with `--profile --use-pytorch-profiler --profile-st
 --profile-step-end E --tensorboard-dir DIR` (to DIR/../torch_profile/rank-N.json.gz);
 `scripts/gpu_check.sh` stage `profile` does it for mok and alltoall. Device kernels (trace events
 of category "kernel") are summed by name and by category; times are per profiled step.
+
+--gaps US lists the stretches of at least US microseconds in which the GPU ran nothing (kernels,
+copies and memsets merged), between the first and the last device event: for each, when the host
+launched the work that ended it (after the GPU went idle: the GPU waited for the host), the host
+call that launched it, the outermost CPU ops the host ran meanwhile and any synchronizing call
+among them. The idle time is also summed by those outermost ops.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 import re
@@ -81,6 +88,74 @@ def summarize(events: list, steps: int) -> dict:
     }
 
 
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+_SYNC_RE = re.compile(r"Synchronize|cudaMemcpy(?!Async)|_local_scalar_dense|aten::item")
+
+
+def host_gaps(events: list, min_gap_us: float) -> dict:
+    """GPU idle stretches of at least min_gap_us and what the host did during them (module doc)."""
+    xs = [e for e in events if e.get("ph") == "X" and "ts" in e]
+    dev = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0) or 0), e) for e in xs
+                 if e.get("cat") in _DEVICE_CATS)
+    if not dev:
+        raise ValueError("the trace holds no device events")
+    launch = {}
+    for e in xs:
+        if e.get("cat") in _LAUNCH_CATS and (e.get("args") or {}).get("correlation") is not None:
+            launch[e["args"]["correlation"]] = e
+    ops = sorted((e for e in xs if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime")
+                  and not str(e.get("name", "")).startswith("ProfilerStep")),
+                 key=lambda e: (float(e["ts"]), -float(e.get("dur", 0) or 0)))
+    starts = [float(e["ts"]) for e in ops]
+    longest = max((float(e.get("dur", 0) or 0) for e in ops), default=0.0)
+
+    def outermost_in(t0, t1, tid):
+        """Outermost host events of thread tid overlapping [t0, t1]."""
+        i = bisect.bisect_left(starts, t0 - longest)
+        found, end = [], float("-inf")
+        for e in ops[i:]:
+            ts = float(e["ts"])
+            if ts > t1:
+                break
+            te = ts + float(e.get("dur", 0) or 0)
+            if e.get("tid") != tid or te < t0 or ts < end:
+                continue
+            found.append(e)
+            end = te
+        return found
+
+    gaps, busy_end, prev = [], dev[0][1], dev[0][2]
+    for s, t, e in dev[1:]:
+        if s - busy_end >= min_gap_us:
+            gaps.append((busy_end, s, prev, e))
+        if t > busy_end:
+            busy_end, prev = t, e
+    out, by_op = [], defaultdict(float)
+    for g0, g1, before, after in gaps:
+        le = launch.get((after.get("args") or {}).get("correlation"))
+        item = {"start_us": g0, "idle_us": g1 - g0, "kernel_before": before.get("name", "?"),
+                "kernel_after": after.get("name", "?")}
+        if le is not None:
+            lt = float(le["ts"])
+            host = outermost_in(g0, lt, le.get("tid"))
+            names = [h.get("name", "?") for h in host]
+            item.update({"launched_after_idle_us": lt - g0, "launch_call": le.get("name", "?"),
+                         "host_ops": names[:12], "host_syncs": sorted({n for n in names if _SYNC_RE.search(n)})})
+            label = next((n for n in names if _SYNC_RE.search(n)), None)
+            label = f"sync {label}" if label else (names[0] if names else "(no host op)")
+            if lt < g0:  # launched before the GPU went idle: a device-side wait, not the host
+                label = "launched before the gap (device-side wait)"
+        else:
+            label = "(no launch event)"
+        item["label"] = label
+        by_op[label] += g1 - g0
+        out.append(item)
+    span = dev[-1][1] - dev[0][0]
+    return {"min_gap_us": min_gap_us, "span_us": span, "idle_us": sum(g["idle_us"] for g in out),
+            "gaps": out, "idle_by_label_us": dict(sorted(by_op.items(), key=lambda kv: -kv[1]))}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -88,9 +163,14 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=1, help="profiled steps in the trace (times are divided by it)")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--json", default=None, help="also write the summary here")
+    p.add_argument("--gaps", type=float, default=None, metavar="US",
+                   help="also list the GPU idle stretches of at least US microseconds (module doc)")
     a = p.parse_args(argv)
     try:
-        s = summarize(load_events(a.trace), a.steps)
+        events = load_events(a.trace)
+        s = summarize(events, a.steps)
+        if a.gaps is not None:
+            s["gaps"] = host_gaps(events, a.gaps)
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as err:
         print(f"trace_summary: {a.trace}: {err}", file=sys.stderr)
         return 1
@@ -102,6 +182,17 @@ def main(argv=None) -> int:
     print(f"top {a.top} kernels (ms per step, launches per step):")
     for k in s["kernels"][:a.top]:
         print(f"  {k['us_per_step'] / 1e3:8.2f}  {k['launches_per_step']:6.1f}  [{k['category']}] {k['name'][:110]}")
+    if a.gaps is not None:
+        g = s["gaps"]
+        print(f"GPU idle in stretches >= {a.gaps:g} us: {g['idle_us'] / 1e3:.1f} ms of "
+              f"{g['span_us'] / 1e3:.1f} ms ({len(g['gaps'])} stretches); by the host op at the gap (ms):")
+        for label, us in list(g["idle_by_label_us"].items())[:a.top]:
+            print(f"  {us / 1e3:8.2f}  {label[:110]}")
+        print(f"longest {a.top} stretches:")
+        for item in sorted(g["gaps"], key=lambda i: -i["idle_us"])[:a.top]:
+            print(f"  {item['idle_us'] / 1e3:7.2f} ms  launched +{item.get('launched_after_idle_us', 0) / 1e3:.2f} ms "
+                  f"by {item.get('launch_call', '?')}: {item['label'][:60]} | host: "
+                  f"{', '.join(item.get('host_ops', [])[:5])[:150]} | after: {item['kernel_after'][:50]}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(s, f, indent=1)

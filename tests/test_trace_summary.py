@@ -60,3 +60,39 @@ def test_trace_without_kernels_is_an_error(tmp_path):
     assert r.returncode == 1 and "no GPU kernel events" in r.stderr
     with pytest.raises(ValueError, match="steps must be >= 1"):
         trace_summary.summarize([], steps=0)
+
+
+def test_host_gaps_name_what_the_host_did(tmp_path):
+    k = lambda name, ts, dur, corr: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,  # noqa: E731
+                                     "args": {"correlation": corr}}
+    rt = lambda ts, corr: {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 5,  # noqa: E731
+                           "tid": 1, "args": {"correlation": corr}}
+    op = lambda name, ts, dur: {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": 1}  # noqa: E731
+    events = [
+        k("a", 0, 100, 1), rt(-50, 1),
+        # 400 us idle: the host synchronized (aten::item) and launched b only afterwards
+        op("aten::item", 90, 300), op("aten::_local_scalar_dense", 95, 290), k("b", 500, 100, 2), rt(480, 2),
+        # 30 us idle: under the threshold
+        k("c", 630, 100, 3), rt(400, 3),
+        # 200 us idle, but c2 was launched long before: a device-side wait
+        k("d", 930, 50, 4), rt(450, 4),
+        # 300 us idle while the host ran a slow Python-level op
+        op("aten::copy_", 990, 250), k("e", 1280, 10, 5), rt(1260, 5),
+    ]
+    g = trace_summary.host_gaps(events, min_gap_us=100)
+    assert [round(x["idle_us"]) for x in g["gaps"]] == [400, 200, 300]
+    first, second, third = g["gaps"]
+    assert first["label"] == "sync aten::item" and first["host_syncs"] == ["aten::item"]
+    assert first["launched_after_idle_us"] == pytest.approx(380)
+    assert second["label"] == "launched before the gap (device-side wait)"
+    assert third["label"] == "aten::copy_" and third["host_syncs"] == []
+    assert g["idle_us"] == pytest.approx(900)
+    assert g["idle_by_label_us"]["sync aten::item"] == pytest.approx(400)
+    with pytest.raises(ValueError, match="no device events"):
+        trace_summary.host_gaps([op("aten::add", 0, 1)], 10)
+    path = tmp_path / "gaps.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "trace_summary.py"), str(path), "--gaps", "100"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "GPU idle in stretches >= 100 us: 0.9 ms" in r.stdout and "sync aten::item" in r.stdout
