@@ -646,8 +646,12 @@ def _trace_summary_module():
     return mod
 
 
+IDLE_GAP_US = 100.0  # the GPU idle stretches the report explains (trace_summary.host_gaps)
+
+
 def analyze_trace(path: Path) -> dict:
-    """profile_breakdown of one trace file, plus scripts/trace_summary.py's kernel categories."""
+    """profile_breakdown of one trace file, plus scripts/trace_summary.py's kernel categories and
+    the GPU's idle stretches of at least IDLE_GAP_US with the host op at each (host_gaps)."""
     try:
         events = load_trace(path)
         out = profile_breakdown(events)
@@ -660,6 +664,10 @@ def analyze_trace(path: Path) -> dict:
             s = ts.summarize(events, out["steps"])
             out["kernel_categories_us"] = s["by_category_us_per_step"]
             out["top_kernels"] = s["kernels"][:15]
+            g = ts.host_gaps(events, IDLE_GAP_US)
+            out["idle_gaps"] = {"min_gap_us": IDLE_GAP_US, "idle_us": g["idle_us"] / out["steps"],
+                                "by_host_op_us": {k: v / out["steps"] for k, v in
+                                                  list(g["idle_by_label_us"].items())[:6]}}
         except (ValueError, KeyError) as err:
             out["notes"].append(f"trace_summary: {err}")
     return out
@@ -1043,6 +1051,14 @@ def write_markdown(report: dict, path: Path, png_name: str | None) -> None:
             note = "; ".join(pr.get("notes") or []) + (f" [{pr['mode']} trace]" if pr.get("mode") == "cpu" else "")
             lines.append(f"| {b} | {pr['step_us'] / 1e3:.1f} | " + " | ".join(cells)
                          + f" | {_pct(pr.get('moe_kernel_share'))} | {note} |")
+        gaps = {b: pr["idle_gaps"] for b, pr in profiled.items() if pr.get("idle_gaps")}
+        if gaps:
+            lines += ["", f"GPU idle in stretches of at least {IDLE_GAP_US:g} us, by the host op at each "
+                      "(trace_summary.py --gaps; a sync means the GPU waited for the host to catch up after it), "
+                      "ms per profiled step:", ""]
+            for b, g in gaps.items():
+                top = ", ".join(f"{k} {v / 1e3:.1f}" for k, v in g["by_host_op_us"].items())
+                lines.append(f"- {b}: {g['idle_us'] / 1e3:.1f} ({top})")
     soak = report.get("soak")
     if soak:
         lines += ["", f"## Soak: {soak['iters']} iterations, {'PASS' if soak['ok'] else 'FAIL'}", "",

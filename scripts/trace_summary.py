@@ -111,12 +111,13 @@ def host_gaps(events: list, min_gap_us: float) -> dict:
     longest = max((float(e.get("dur", 0) or 0) for e in ops), default=0.0)
 
     def outermost_in(t0, t1, tid):
-        """Outermost host events of thread tid overlapping [t0, t1]."""
+        """Outermost host events of thread tid overlapping [t0, t1), started before t1 (the launch
+        at t1 itself is not one of them)."""
         i = bisect.bisect_left(starts, t0 - longest)
         found, end = [], float("-inf")
         for e in ops[i:]:
             ts = float(e["ts"])
-            if ts > t1:
+            if ts >= t1:
                 break
             te = ts + float(e.get("dur", 0) or 0)
             if e.get("tid") != tid or te < t0 or ts < end:
@@ -143,7 +144,7 @@ def host_gaps(events: list, min_gap_us: float) -> dict:
             item.update({"launched_after_idle_us": lt - g0, "launch_call": le.get("name", "?"),
                          "host_ops": names[:12], "host_syncs": sorted({n for n in names if _SYNC_RE.search(n)})})
             label = next((n for n in names if _SYNC_RE.search(n)), None)
-            label = f"sync {label}" if label else (names[0] if names else "(no host op)")
+            label = f"sync {label}" if label else (names[0] if names else "(untraced host work)")
             if lt < g0:  # launched before the GPU went idle: a device-side wait, not the host
                 label = "launched before the gap (device-side wait)"
         else:

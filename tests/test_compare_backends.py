@@ -289,6 +289,10 @@ def test_analyze_trace_reads_gzip_and_adds_kernel_categories(tmp_path):
         json.dump({"traceEvents": _kernel_trace()}, f)
     p = cb.analyze_trace(path)
     assert p["moe_share"] == pytest.approx(160 / 942) and "kernel_categories_us" in p
+    # GPU idle >= 100 us: 185..305 (launched at 301, inside the backward's first node) and 430..865
+    assert p["idle_gaps"]["idle_us"] == pytest.approx(120 + 435)
+    assert p["idle_gaps"]["by_host_op_us"] == pytest.approx(
+        {"autograd::engine::evaluate_function: AddBackward0": 120, "(untraced host work)": 435})
     bad = cb.analyze_trace(tmp_path / "missing.json.gz")
     assert "error" in bad and "FileNotFoundError" in bad["error"]
 
