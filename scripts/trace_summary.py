@@ -104,22 +104,21 @@ def host_gaps(events: list, min_gap_us: float) -> dict:
     for e in xs:
         if e.get("cat") in _LAUNCH_CATS and (e.get("args") or {}).get("correlation") is not None:
             launch[e["args"]["correlation"]] = e
-    ops = sorted((e for e in xs if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime")
+    # host events as (start, end, event), by start, the longer first where two start together
+    ops = sorted(((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0) or 0), e) for e in xs
+                  if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime")
                   and not str(e.get("name", "")).startswith("ProfilerStep")),
-                 key=lambda e: (float(e["ts"]), -float(e.get("dur", 0) or 0)))
-    starts = [float(e["ts"]) for e in ops]
-    longest = max((float(e.get("dur", 0) or 0) for e in ops), default=0.0)
+                 key=lambda o: (o[0], o[0] - o[1]))
+    starts = [o[0] for o in ops]
+    longest = max((te - ts for ts, te, _ in ops), default=0.0)
 
     def outermost_in(t0, t1, tid):
         """Outermost host events of thread tid overlapping [t0, t1), started before t1 (the launch
         at t1 itself is not one of them)."""
-        i = bisect.bisect_left(starts, t0 - longest)
         found, end = [], float("-inf")
-        for e in ops[i:]:
-            ts = float(e["ts"])
+        for ts, te, e in ops[bisect.bisect_left(starts, t0 - longest):]:
             if ts >= t1:
                 break
-            te = ts + float(e.get("dur", 0) or 0)
             if e.get("tid") != tid or te < t0 or ts < end:
                 continue
             found.append(e)
@@ -143,10 +142,11 @@ def host_gaps(events: list, min_gap_us: float) -> dict:
             names = [h.get("name", "?") for h in host]
             item.update({"launched_after_idle_us": lt - g0, "launch_call": le.get("name", "?"),
                          "host_ops": names[:12], "host_syncs": sorted({n for n in names if _SYNC_RE.search(n)})})
-            label = next((n for n in names if _SYNC_RE.search(n)), None)
-            label = f"sync {label}" if label else (names[0] if names else "(untraced host work)")
+            sync = next((n for n in names if _SYNC_RE.search(n)), None)
             if lt < g0:  # launched before the GPU went idle: a device-side wait, not the host
                 label = "launched before the gap (device-side wait)"
+            else:
+                label = f"sync {sync}" if sync else (names[0] if names else "(untraced host work)")
         else:
             label = "(no launch event)"
         item["label"] = label
