@@ -140,13 +140,13 @@ def host_gaps(events: list, min_gap_us: float) -> dict:
             lt = float(le["ts"])
             host = outermost_in(g0, lt, le.get("tid"))
             names = [h.get("name", "?") for h in host]
+            syncs = [n for n in names if _SYNC_RE.search(n)]  # in time order
             item.update({"launched_after_idle_us": lt - g0, "launch_call": le.get("name", "?"),
-                         "host_ops": names[:12], "host_syncs": sorted({n for n in names if _SYNC_RE.search(n)})})
-            sync = next((n for n in names if _SYNC_RE.search(n)), None)
+                         "host_ops": names[:12], "host_syncs": sorted(set(syncs))})
             if lt < g0:  # launched before the GPU went idle: a device-side wait, not the host
                 label = "launched before the gap (device-side wait)"
             else:
-                label = f"sync {sync}" if sync else (names[0] if names else "(untraced host work)")
+                label = f"sync {syncs[0]}" if syncs else (names[0] if names else "(untraced host work)")
         else:
             label = "(no launch event)"
         item["label"] = label
