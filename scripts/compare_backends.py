@@ -79,7 +79,13 @@ per-rank digest of every parameter's bits every N iterations (Megatron flag
   * no NaN or inf in the loss or the grad norm (and no skipped/NaN iterations);
   * a rerun (--rerun) has bitwise identical parameter digests at every digest iteration;
   * the median step time of iterations 400-500 is within 2 % of iterations 100-200 (the windows
-    scale with --iters; iterations that print a digest are left out).
+    scale with --iters; iterations that print a digest are left out). The check also states the
+    GPU's SM clock, power and temperature in both windows (below), so that a drift that comes with
+    a clock change shows as the GPU's.
+
+Local GPU runs sample nvidia-smi once a second beside each backend (logs/B.gpu.csv: SM and memory
+clocks, power, temperature); each backend's medians over its timed iterations go into compare.json
+(gpu_telemetry) and compare.md. The iteration lines' time stamps place the samples.
 
 tokens/s/GPU = global batch size * seq length / median step time / world size, where the step time is
 Megatron's "elapsed time per iteration" of the iterations after the first --warmup ones. Peak memory is
@@ -212,6 +218,69 @@ def _kill_all(procs, sig=signal.SIGTERM):
                 os.killpg(p.pid, sig)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+# GPU telemetry beside a local run (nvidia-smi, once a second): a step-time drift that comes with a
+# clock or power change is the GPU's, not the code's. Fields every driver has.
+GPU_QUERY = ("timestamp", "index", "clocks.sm", "clocks.mem", "power.draw", "temperature.gpu")
+GPU_SAMPLE_KEYS = ("sm_mhz", "mem_mhz", "power_w", "temp_c")
+GPU_SAMPLES = "gpu samples"  # the key of a run's samples in its log fields (log_fields)
+
+
+def start_gpu_sampler(path: Path):
+    """nvidia-smi writing GPU_QUERY every second into path; None without nvidia-smi."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    fh = open(path, "w")
+    try:
+        proc = subprocess.Popen([smi, f"--query-gpu={','.join(GPU_QUERY)}", "--format=csv,noheader,nounits",
+                                 "-lms", "1000"], stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    except OSError:
+        fh.close()
+        return None
+    return proc, fh
+
+
+def stop_gpu_sampler(sampler) -> None:
+    if sampler is None:
+        return
+    proc, fh = sampler
+    _kill_all([proc])
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        _kill_all([proc], signal.SIGKILL)
+        proc.wait()
+    fh.close()
+
+
+def read_gpu_samples(path: Path) -> list:
+    """The samples of start_gpu_sampler's file: dicts of t (epoch seconds, local time), gpu and
+    GPU_SAMPLE_KEYS; lines that are not samples (errors, [N/A] values) are skipped."""
+    samples = []
+    if not path.is_file():
+        return samples
+    for line in path.read_text(errors="replace").splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != len(GPU_QUERY):
+            continue
+        try:
+            t = _dt.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            values = [float(v) for v in parts[2:]]
+            gpu = int(parts[1])
+        except ValueError:
+            continue
+        samples.append({"t": t, "gpu": gpu, **dict(zip(GPU_SAMPLE_KEYS, values))})
+    return samples
+
+
+def gpu_window(samples: list, t0: float, t1: float) -> dict | None:
+    """Medians of the samples taken in [t0, t1] (all GPUs), and their count; None if there are none."""
+    inside = [x for x in samples if t0 <= x["t"] <= t1]
+    if not inside:
+        return None
+    return {"samples": len(inside), **{k: statistics.median(x[k] for x in inside) for k in GPU_SAMPLE_KEYS}}
 
 
 def run_local(cmd_tail, nproc, python, entry, log_dir: Path, backend: str, timeout: float, env_extra, use_stats):
@@ -758,6 +827,16 @@ def soak_windows(iters: int) -> tuple[tuple[int, int], tuple[int, int]]:
     return (round(0.2 * iters), round(0.4 * iters)), (round(0.8 * iters), iters)
 
 
+def window_gpu(fields: dict, window: tuple[int, int]) -> dict | None:
+    """The GPU telemetry (gpu_window) while the iterations of window (a, b] ran: from the time stamp
+    of iteration a's line to that of iteration b's (one-second stamps); None without either."""
+    stamps = fields.get("log time (s)", {})
+    a, b = window
+    if a not in stamps or b not in stamps:
+        return None
+    return gpu_window(fields.get(GPU_SAMPLES) or [], stamps[a], stamps[b])
+
+
 def soak_checks(results: dict, log_fields: dict, iters: int, digest_every: int) -> dict:
     """The soak's pass/fail checks over the ok backends (the first one is the loss reference)."""
     ok = {b: r for b, r in results.items() if r["status"] == "ok"}
@@ -828,10 +907,17 @@ def soak_checks(results: dict, log_fields: dict, iters: int, digest_every: int) 
         if t_early and t_late:
             drift = t_late / t_early - 1.0
             pb["throughput_drift"] = drift
+            detail = (f"median {t_early:.1f} ms -> {t_late:.1f} ms ({100 * drift:+.2f} %); 10th percentile "
+                      f"{p10_early:.1f} ms -> {p10_late:.1f} ms ({100 * (p10_late / p10_early - 1):+.2f} %)")
+            gpu = window_gpu(fields, early), window_gpu(fields, late)
+            if all(gpu):
+                pb["gpu_early"], pb["gpu_late"] = gpu
+                detail += (f"; GPU SM clock {gpu[0]['sm_mhz']:.0f} -> {gpu[1]['sm_mhz']:.0f} MHz, power "
+                           f"{gpu[0]['power_w']:.0f} -> {gpu[1]['power_w']:.0f} W, {gpu[0]['temp_c']:.0f} -> "
+                           f"{gpu[1]['temp_c']:.0f} C (medians of {gpu[0]['samples']} and {gpu[1]['samples']} "
+                           "samples)")
             checks[f"{b}: steps {late[0]}-{late[1]} within 2% of {early[0]}-{early[1]}"] = {
-                "ok": abs(drift) <= SOAK_THROUGHPUT_TOL,
-                "detail": f"median {t_early:.1f} ms -> {t_late:.1f} ms ({100 * drift:+.2f} %); 10th percentile "
-                          f"{p10_early:.1f} ms -> {p10_late:.1f} ms ({100 * (p10_late / p10_early - 1):+.2f} %)"}
+                "ok": abs(drift) <= SOAK_THROUGHPUT_TOL, "detail": detail}
         else:
             checks[f"{b}: throughput windows"] = {"ok": False, "detail": f"too few iterations for {early} and {late}"}
         # loss agreement with the reference (the noise controls and reruns are not compared)
@@ -900,12 +986,15 @@ def soak_checks(results: dict, log_fields: dict, iters: int, digest_every: int) 
 
 
 def log_fields(log) -> dict:
-    """field name -> {iteration: value} for the numeric fields of the iteration lines."""
+    """field name -> {iteration: value} for the numeric fields of the iteration lines, and "log time
+    (s)": each iteration line's time stamp (epoch seconds)."""
     out = {}
     for r in log.unique_iterations():
         for k, v in r.fields.items():
             if isinstance(v, (int, float)):
                 out.setdefault(k, {})[r.iteration] = float(v)
+        if r.time is not None:
+            out.setdefault("log time (s)", {})[r.iteration] = r.time
     return out
 
 
@@ -1030,6 +1119,10 @@ def write_markdown(report: dict, path: Path, png_name: str | None) -> None:
         lines.append("| " + " | ".join(row) + " |")
     srcs = {r.get("peak_memory_source") for r in backends.values() if r.get("peak_memory_source")}
     lines += ["", "Peak memory: " + ("; ".join(sorted(srcs)) if srcs else "not measured") + "."]
+    tel = {b: r["gpu_telemetry"] for b, r in report["backends"].items() if r.get("gpu_telemetry")}
+    if tel:
+        lines += ["", "GPU while the timed steps ran (nvidia-smi each second, medians): " + "; ".join(
+            f"{b} SM {t['sm_mhz']:.0f} MHz, {t['power_w']:.0f} W, {t['temp_c']:.0f} C" for b, t in tel.items()) + "."]
 
     profiled = {b: r["profile"] for b, r in backends.items() if r.get("profile")}
     if profiled:
@@ -1208,10 +1301,17 @@ def result_from_log(log_path: Path, rc, wall, warmup, world_size=None, exclude=N
     summary = logparse.summarize(log, warmup=warmup, world_size=world_size)
     if exclude:
         summary = retime(log, summary, warmup, exclude)
+    fields = log_fields(log)
+    # the GPU telemetry sampled beside a local run (start_gpu_sampler), if there is one
+    fields[GPU_SAMPLES] = read_gpu_samples(Path(log_path).with_suffix(".gpu.csv"))
     if fields_out is not None and name is not None:
-        fields_out[name] = log_fields(log)
+        fields_out[name] = fields
     status, reason = classify(rc, log, summary)
-    return {"status": status, "reason": reason, "exit_code": rc, "wall_s": wall, "log": str(log_path), **summary}
+    r = {"status": status, "reason": reason, "exit_code": rc, "wall_s": wall, "log": str(log_path), **summary}
+    stamps = sorted(fields.get("log time (s)", {}).items())
+    if len(stamps) > warmup + 1:  # medians over the iterations after the warm-up
+        r["gpu_telemetry"] = gpu_window(fields[GPU_SAMPLES], stamps[warmup][1], stamps[-1][1])
+    return r
 
 
 def skipped_result(reason: str) -> dict:
@@ -1448,7 +1548,12 @@ def main(argv=None) -> int:
             tail += noise_control_args(cfg_args + a.extra)
         print(f"[compare] {name}: {world} ranks ({launcher}) ...", file=sys.stderr, flush=True)
         if launcher == "local":
-            rc, wall, lp = run_local(tail, nproc, python, a.entry, log_dir, name, a.timeout, {}, not a.no_rank_stats)
+            sampler = start_gpu_sampler(log_dir / f"{name}.gpu.csv") if gpus > 0 else None
+            try:
+                rc, wall, lp = run_local(tail, nproc, python, a.entry, log_dir, name, a.timeout, {},
+                                         not a.no_rank_stats)
+            finally:
+                stop_gpu_sampler(sampler)
         else:
             rc, wall, lp = run_srun(tail, nnodes, nproc, python, a.entry, log_dir, name, a.timeout, {},
                                     not a.no_rank_stats)

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -62,6 +64,7 @@ def test_parse_iterations_args_and_stats():
     r = log.iterations[0]
     assert r.train_iters == 20 and r.global_batch_size == 8 and r.step_ms == 900.0
     assert r.lm_loss == pytest.approx(10.0)
+    assert r.time == datetime(2026, 11, 29, 20, 1, 2, 123456).timestamp()  # the line's stamp, local time
     assert r.fields["mtp_1 loss"] == pytest.approx(5.5) and r.fields["grad norm"] == pytest.approx(2.345)
     assert log.arg("seq_length", int) == 64 and log.arg("moe_backend") == "mok"
     assert log.started_from_scratch and log.loaded_iterations == []
@@ -568,6 +571,53 @@ def test_soak_checks_catch_nan_and_digest_mismatch():
     failed = sorted(k for k, c in soak["checks"].items() if not c["ok"])
     assert failed == ["alltoall: no NaN/inf", "mok_rerun: bitwise identical parameter digests"], failed
     assert soak["backends"]["hybridep"]["reason"].startswith("No module")
+
+
+def test_soak_drift_reports_the_gpu_telemetry_of_its_windows(tmp_path, monkeypatch):
+    """nvidia-smi samples beside a run (a stand-in nvidia-smi here) are read back, lines that are no
+    samples skipped; the drift check states the SM clock, power and temperature medians of the
+    windows' time spans (from the iteration lines' stamps) and still fails on the step times."""
+    cb = _load_compare()
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/sh\necho \"$1 $2 $3 $4\" > \"$(dirname \"$0\")/args\"\n"
+                   "echo '2026/11/29 20:01:02.500, 0, 1980, 2619, 650.5, 61'\n"
+                   "echo '2026/11/29 20:01:03.500, 0, [N/A], 2619, 651.0, 61'\n"
+                   "echo 'Unable to determine the device handle'\n"
+                   "echo '2026/11/29 20:01:04.500, 0, 1830, 2619, 700.0, 70'\nsleep 30\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{smi.parent}:{os.environ['PATH']}")
+    csv = tmp_path / "mok.gpu.csv"
+    sampler = cb.start_gpu_sampler(csv)
+    deadline = time.time() + 10
+    while len(cb.read_gpu_samples(csv)) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    cb.stop_gpu_sampler(sampler)
+    assert "--query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu" in (
+        smi.parent / "args").read_text()
+    samples = cb.read_gpu_samples(csv)
+    assert [(x["sm_mhz"], x["power_w"], x["temp_c"]) for x in samples] == [(1980, 650.5, 61), (1830, 700.0, 70)]
+    t0 = datetime(2026, 11, 29, 20, 1, 2).timestamp()
+    curve = [[i, 5.0 - 0.01 * i] for i in range(1, 51)]
+    results = {"mok": {"status": "ok", "loss_curve": curve, "last_iteration": 50}}
+    times = {i: 100.0 if i <= 30 else 110.0 for i in range(1, 51)}
+    stamps = {10: t0, 20: t0 + 1.0, 40: t0 + 2.0, 50: t0 + 3.0}  # the windows (10, 20] and (40, 50]
+    fields = {"mok": {"elapsed time per iteration (ms)": times, "grad norm": {i: 1.0 for i in range(1, 51)},
+                      "log time (s)": stamps, cb.GPU_SAMPLES: samples}}
+    soak = cb.soak_checks(results, fields, 50, 0)
+    check = soak["checks"]["mok: steps 40-50 within 2% of 10-20"]
+    assert not check["ok"]  # the step times decide; the telemetry explains
+    assert "GPU SM clock 1980 -> 1830 MHz, power 650 -> 700 W, 61 -> 70 C (medians of 1 and 1 samples)" in (
+        check["detail"]), check["detail"]
+    assert soak["backends"]["mok"]["gpu_late"]["sm_mhz"] == 1830
+    # a run's log with a .gpu.csv beside it: medians over its timed iterations (all stamped 20:01:02.123456)
+    (tmp_path / "run.log").write_text(_log(6))
+    (tmp_path / "run.gpu.csv").write_text("2026/11/29 20:01:02.123456, 0, 1755, 2619, 600.0, 55\n")
+    r = cb.result_from_log(tmp_path / "run.log", 0, 1.0, 2)
+    assert r["gpu_telemetry"] == {"samples": 1, "sm_mhz": 1755, "mem_mhz": 2619, "power_w": 600.0, "temp_c": 55}
+    fields["mok"].pop(cb.GPU_SAMPLES)  # no telemetry: the check as before
+    assert "GPU" not in cb.soak_checks(results, fields, 50, 0)["checks"]["mok: steps 40-50 within 2% of 10-20"][
+        "detail"]
 
 
 def test_from_logs_leaves_profiled_iterations_out_of_the_timing(tmp_path):

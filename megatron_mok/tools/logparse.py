@@ -23,6 +23,7 @@ import math
 import re
 import statistics
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Iterable
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
 ]
 
 _ITER_RE = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|(.*)$")
+_TIME_RE = re.compile(r"\[(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}(?:\.\d+)?)\]\s*iteration\b")
 _ARGS_BEGIN_RE = re.compile(r"-{8,} arguments -{8,}")
 _ARGS_END_RE = re.compile(r"-{8,} end of arguments -{8,}")
 _ARG_LINE_RE = re.compile(r"^\s*(?:\d+:\s*)?\s+([A-Za-z_][\w]*) \.{2,} (.*?)\s*$")
@@ -76,6 +78,7 @@ class IterationRecord:
     iteration: int
     train_iters: int
     fields: dict  # every "key: number" of the line, e.g. {"lm loss": 10.2, "global batch size": 8}
+    time: float | None = None  # the line's "[YYYY-MM-DD HH:MM:SS.ffffff]" stamp (local time), epoch seconds
 
     @property
     def step_ms(self):
@@ -166,7 +169,9 @@ def parse_log(text: str | Iterable[str]) -> RunLog:
                 val = _num(v)
                 if val is not None:
                     fields[k.strip()] = val
-            log.iterations.append(IterationRecord(int(m.group(1)), int(m.group(2)), fields))
+            t = _TIME_RE.search(line)
+            stamp = datetime.fromisoformat(t.group(1)).timestamp() if t else None
+            log.iterations.append(IterationRecord(int(m.group(1)), int(m.group(2)), fields, stamp))
             continue
         m = _LOADED_RE.search(line)
         if m:
