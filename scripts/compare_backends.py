@@ -220,6 +220,16 @@ def _kill_all(procs, sig=signal.SIGTERM):
                 pass
 
 
+def _stop(p, grace: float) -> None:
+    """SIGTERM p's process group, then SIGKILL it if it has not exited within grace seconds."""
+    _kill_all([p])
+    try:
+        p.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        _kill_all([p], signal.SIGKILL)
+        p.wait()
+
+
 # GPU telemetry beside a local run (nvidia-smi, once a second): a step-time drift that comes with a
 # clock or power change is the GPU's, not the code's. Fields every driver has.
 GPU_QUERY = ("timestamp", "index", "clocks.sm", "clocks.mem", "power.draw", "temperature.gpu")
@@ -246,12 +256,7 @@ def stop_gpu_sampler(sampler) -> None:
     if sampler is None:
         return
     proc, fh = sampler
-    _kill_all([proc])
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        _kill_all([proc], signal.SIGKILL)
-        proc.wait()
+    _stop(proc, 10)
     fh.close()
 
 
@@ -374,12 +379,7 @@ def run_srun(cmd_tail, nnodes, nproc, python, entry, log_dir: Path, backend: str
         try:
             rc = p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_all([p])
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                _kill_all([p], signal.SIGKILL)
-                p.wait()
+            _stop(p, 30)
             rc = 124
     if rc == 124:
         with open(combined, "a") as out:
@@ -1119,7 +1119,7 @@ def write_markdown(report: dict, path: Path, png_name: str | None) -> None:
         lines.append("| " + " | ".join(row) + " |")
     srcs = {r.get("peak_memory_source") for r in backends.values() if r.get("peak_memory_source")}
     lines += ["", "Peak memory: " + ("; ".join(sorted(srcs)) if srcs else "not measured") + "."]
-    tel = {b: r["gpu_telemetry"] for b, r in report["backends"].items() if r.get("gpu_telemetry")}
+    tel = {b: r["gpu_telemetry"] for b, r in backends.items() if r.get("gpu_telemetry")}
     if tel:
         lines += ["", "GPU while the timed steps ran (nvidia-smi each second, medians): " + "; ".join(
             f"{b} SM {t['sm_mhz']:.0f} MHz, {t['power_w']:.0f} W, {t['temp_c']:.0f} C" for b, t in tel.items()) + "."]
@@ -1308,9 +1308,9 @@ def result_from_log(log_path: Path, rc, wall, warmup, world_size=None, exclude=N
         fields_out[name] = fields
     status, reason = classify(rc, log, summary)
     r = {"status": status, "reason": reason, "exit_code": rc, "wall_s": wall, "log": str(log_path), **summary}
-    stamps = sorted(fields.get("log time (s)", {}).items())
-    if len(stamps) > warmup + 1:  # medians over the iterations after the warm-up
-        r["gpu_telemetry"] = gpu_window(fields[GPU_SAMPLES], stamps[warmup][1], stamps[-1][1])
+    its = sorted(fields.get("log time (s)", {}))
+    if len(its) > warmup + 1:  # medians over the iterations after the warm-up: (last warm-up one, last]
+        r["gpu_telemetry"] = window_gpu(fields, (its[max(warmup - 1, 0)], its[-1]))
     return r
 
 
