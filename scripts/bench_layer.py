@@ -76,6 +76,7 @@ import json
 import os
 import shlex
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -746,14 +747,45 @@ def busy_time(spans: list[tuple[float, float]]) -> tuple[float, float]:
     return busy, (max(e for _, e in spans) - min(s for s, _ in spans)) if spans else 0.0
 
 
-def kernel_times(step, iters: int = 5, top: int = 12) -> dict:
-    """GPU time per iteration by kernel (the `top` largest) and by category, rank 0's view.
-    busy_ms: time with at least one kernel running (kernels of two streams overlap: busy < the sum);
-    idle_ms: from the first kernel's start to the last one's end, the time with none running."""
-    from torch.profiler import ProfilerActivity, profile
-
+def kernel_table(events: list, iters: int, top: int = 12) -> dict:
+    """kernel_times' table from (name, start_us, end_us) kernel events of `iters` identical
+    iterations. A kernel launched n times an iteration also gets launches_ms: the median time of its
+    j-th launch of an iteration, in launch order (two GEMMs of one kernel, e.g. the down and the fc1
+    dgrad, stay apart); a count that is not a multiple of iters gets none."""
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     from trace_summary import categorize
+
+    by_name: dict[str, list] = {}
+    spans = []
+    for name, start, end in sorted(events, key=lambda e: e[1]):
+        by_name.setdefault(name, []).append((end - start) / 1e3)
+        spans.append((start, end))
+    busy_us, span_us = busy_time(spans)
+    per_iter = {n: sum(d) / iters for n, d in by_name.items()}
+    by_cat: dict[str, float] = {}
+    for name, ms in per_iter.items():
+        cat = categorize(name)
+        by_cat[cat] = by_cat.get(cat, 0.0) + ms
+    rows = []
+    for name, ms in sorted(per_iter.items(), key=lambda kv: -kv[1])[:top]:
+        row = {"name": name[:120], "ms": round(ms, 4)}
+        d = by_name[name]
+        if len(d) % iters == 0 and len(d) > iters:
+            n = len(d) // iters
+            row["launches_ms"] = [round(statistics.median(d[i * n + j] for i in range(iters)), 4) for j in range(n)]
+        rows.append(row)
+    return {"ms_per_iter": round(sum(per_iter.values()), 4),
+            "busy_ms": round(busy_us / 1e3 / iters, 4), "idle_ms": round((span_us - busy_us) / 1e3 / iters, 4),
+            "by_category": {k: round(v, 4) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
+            "top": rows}
+
+
+def kernel_times(step, iters: int = 5, top: int = 12) -> dict:
+    """GPU time per iteration by kernel (the `top` largest) and by category, rank 0's view
+    (kernel_table). busy_ms: time with at least one kernel running (kernels of two streams overlap:
+    busy < the sum); idle_ms: from the first kernel's start to the last one's end, the time with
+    none running."""
+    from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     dist.barrier()
@@ -761,22 +793,9 @@ def kernel_times(step, iters: int = 5, top: int = 12) -> dict:
         for _ in range(iters):
             step()
         torch.cuda.synchronize()
-    by_name: dict[str, float] = {}
-    spans = []
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
-            by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time_total / 1e3 / iters
-            spans.append((e.time_range.start, e.time_range.end))
-    busy_us, span_us = busy_time(spans)
-    by_cat: dict[str, float] = {}
-    for name, ms in by_name.items():
-        cat = categorize(name)
-        by_cat[cat] = by_cat.get(cat, 0.0) + ms
-    ranked = sorted(by_name.items(), key=lambda kv: -kv[1])
-    return {"ms_per_iter": round(sum(by_name.values()), 4),
-            "busy_ms": round(busy_us / 1e3 / iters, 4), "idle_ms": round((span_us - busy_us) / 1e3 / iters, 4),
-            "by_category": {k: round(v, 4) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
-            "top": [{"name": n[:120], "ms": round(ms, 4)} for n, ms in ranked[:top]]}
+    events = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+              if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
+    return kernel_table(events, iters, top)
 
 
 def mok_timeline(step) -> list[dict]:
@@ -1440,7 +1459,8 @@ def _run_case(args, backends, dev, shape, routing, T, gate, gate_error, ep) -> l
                     f"idle {row['kernels']['idle_ms']:.3f}; "
                     + ", ".join(f"{k} {v:.3f}" for k, v in row["kernels"]["by_category"].items()))
                 for kern in row["kernels"]["top"]:
-                    log(f"    {kern['ms']:8.3f}  {kern['name'][:100]}")
+                    each = kern.get("launches_ms")
+                    log(f"    {kern['ms']:8.3f}  {kern['name'][:100]}" + (f"  (launches {each})" if each else ""))
             if args.timeline and row.get("forward_kernel") == "persistent":
                 row["timeline"] = mok_timeline(step)
                 t = row["timeline"][0]

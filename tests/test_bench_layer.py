@@ -359,6 +359,27 @@ def test_busy_time_merges_overlapping_kernels():
     assert bl.busy_time([]) == (0.0, 0.0)
 
 
+def test_kernel_table_keeps_each_launch_of_a_kernel_apart():
+    """A kernel launched twice an iteration (the down and the fc1 dgrad) gets the median of its first
+    and of its second launch, in launch order; its ms is the per-iteration sum; a kernel whose count
+    is not a multiple of the iterations gets no per-launch times; busy/idle from the merged spans."""
+    bl = _bench()
+    events, t = [], 0.0
+    for i, (first, second) in enumerate([(870.0, 1330.0), (880.0, 1320.0), (860.0, 1340.0)]):
+        events.append(("expert_gemm_kernel", t, t + first))
+        events.append(("expert_gemm_kernel", t + first, t + first + second))
+        t += first + second + 100.0  # a 100 us gap
+        if i < 2:
+            events.append(("bwd_push_kernel", t - 100.0, t - 50.0))
+    table = bl.kernel_table(list(reversed(events)), iters=3)  # the order events arrive in does not matter
+    gemm, push = table["top"]
+    assert gemm["name"] == "expert_gemm_kernel" and gemm["launches_ms"] == [0.87, 1.33]
+    assert gemm["ms"] == pytest.approx((870 + 1330 + 880 + 1320 + 860 + 1340) / 3e3, abs=1e-4)
+    assert push["name"] == "bwd_push_kernel" and "launches_ms" not in push
+    assert table["busy_ms"] == pytest.approx((3 * 2200 + 2 * 50) / 3e3, abs=1e-4)
+    assert table["idle_ms"] == pytest.approx((2 * 100 - 2 * 50) / 3e3, abs=1e-4)
+
+
 def test_symm_a2a_backward_gathers_match_index_select_autograd():
     bl = _bench()
     gen = torch.Generator().manual_seed(0)
