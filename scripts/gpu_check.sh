@@ -115,19 +115,25 @@ if [[ "$NGPU" -ge 1 ]]; then
 fi
 
 # Hardware counters of the GEMM kernels (not in the default stages): ncu over one short bench_layer.py
-# run, the kernels whose names match NCU_KERNELS, NCU_COUNT launches; the report and its text under $OUT.
+# run, the kernels whose names match NCU_KERNELS, NCU_COUNT launches after the first NCU_SKIP (the
+# shared expert's small GEMMs come first in a backward); the report, its text, its raw metrics (CSV)
+# and the per-instruction stall samples (SourceCounters; ncu.source.csv) under $OUT.
 #   PROFILE_ARGS [DeepSeek-V3 T=8192 staged bf16 and fp8 forward, 2 iterations]
 if stage profile && [[ "$NGPU" -ge 1 ]]; then
   t0=$(date +%s)
   PROFILE_ARGS="${PROFILE_ARGS:---shape deepseek-v3 --tokens 8192 --backends mok@forward_kernel=staged,mok@precision=fp8 --pass fwd --iters 2 --warmup 1 --skip-gate}"
   timeout -k 10 "${PROFILE_LIMIT:-300}" ncu --clock-control none --target-processes all \
-    -k "regex:${NCU_KERNELS:-gemm|wgrad}" --launch-count "${NCU_COUNT:-6}" \
+    -k "regex:${NCU_KERNELS:-gemm|wgrad}" --launch-skip "${NCU_SKIP:-0}" --launch-count "${NCU_COUNT:-6}" \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
     --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy \
+    --section SourceCounters \
     -f -o "$OUT/ncu" torchrun --nproc-per-node=1 scripts/bench_layer.py $PROFILE_ARGS --out /tmp/mok_profile.json \
     > "$OUT/profile.log" 2>&1
   RESULT[profile]="rc=$? ($(elapsed $t0))"
   ncu --import "$OUT/ncu.ncu-rep" --page details > "$OUT/ncu.txt" 2>&1
+  ncu --import "$OUT/ncu.ncu-rep" --page raw --csv > "$OUT/ncu.raw.csv" 2>&1
+  ncu --import "$OUT/ncu.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu.source.csv" 2>&1 \
+    || echo "ncu: no source page (see ncu.source.csv)"
   grep -E "^  [a-z_]+.*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|Registers Per|Stall" "$OUT/ncu.txt" | head -80
 fi
 
