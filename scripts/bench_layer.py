@@ -51,7 +51,8 @@ precision (``annotate_speedups``).
 --timeline (mok variants whose forward runs the persistent megakernel, --pass fwd) runs one more
 step with the megakernel's per-task stamps on and stores megatron_mok.tools.timeline.summarize of
 every rank. --kernels runs 5 more iterations of every backend under the torch profiler and stores
-rank 0's GPU time per iteration by kernel name and category (scripts/trace_summary.py's categories).
+rank 0's GPU time per iteration by kernel name and category (scripts/trace_summary.py's categories),
+and, for a kernel launched more than once an iteration, each launch's time in launch order.
 Correctness gate first: mok against an fp32 reference of the layer computed here
 (``reference_moe``) at T=256 with the real H, I, E, k; every backend's output against mok's
 (relative error) and every mok variant's against the first variant of the same precision (bits).
