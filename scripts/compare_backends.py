@@ -235,6 +235,7 @@ def _stop(p, grace: float) -> None:
 GPU_QUERY = ("timestamp", "index", "clocks.sm", "clocks.mem", "power.draw", "temperature.gpu")
 GPU_SAMPLE_KEYS = ("sm_mhz", "mem_mhz", "power_w", "temp_c")
 GPU_SAMPLES = "gpu samples"  # the key of a run's samples in its log fields (log_fields)
+LOG_TIME = "log time (s)"  # the key of its iteration lines' time stamps there
 
 
 def start_gpu_sampler(path: Path):
@@ -830,7 +831,7 @@ def soak_windows(iters: int) -> tuple[tuple[int, int], tuple[int, int]]:
 def window_gpu(fields: dict, window: tuple[int, int]) -> dict | None:
     """The GPU telemetry (gpu_window) while the iterations of window (a, b] ran: from the time stamp
     of iteration a's line to that of iteration b's (one-second stamps); None without either."""
-    stamps = fields.get("log time (s)", {})
+    stamps = fields.get(LOG_TIME, {})
     a, b = window
     if a not in stamps or b not in stamps:
         return None
@@ -986,15 +987,15 @@ def soak_checks(results: dict, log_fields: dict, iters: int, digest_every: int) 
 
 
 def log_fields(log) -> dict:
-    """field name -> {iteration: value} for the numeric fields of the iteration lines, and "log time
-    (s)": each iteration line's time stamp (epoch seconds)."""
+    """field name -> {iteration: value} for the numeric fields of the iteration lines, and LOG_TIME:
+    each iteration line's time stamp (epoch seconds)."""
     out = {}
     for r in log.unique_iterations():
         for k, v in r.fields.items():
             if isinstance(v, (int, float)):
                 out.setdefault(k, {})[r.iteration] = float(v)
         if r.time is not None:
-            out.setdefault("log time (s)", {})[r.iteration] = r.time
+            out.setdefault(LOG_TIME, {})[r.iteration] = r.time
     return out
 
 
@@ -1308,7 +1309,7 @@ def result_from_log(log_path: Path, rc, wall, warmup, world_size=None, exclude=N
         fields_out[name] = fields
     status, reason = classify(rc, log, summary)
     r = {"status": status, "reason": reason, "exit_code": rc, "wall_s": wall, "log": str(log_path), **summary}
-    its = sorted(fields.get("log time (s)", {}))
+    its = sorted(fields.get(LOG_TIME, {}))
     if len(its) > warmup + 1:  # medians over the iterations after the warm-up: (last warm-up one, last]
         r["gpu_telemetry"] = window_gpu(fields, (its[max(warmup - 1, 0)], its[-1]))
     return r
