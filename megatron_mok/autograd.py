@@ -14,7 +14,7 @@ from .workspace import MoKInputError, exchange, get_workspace, shape_values
 
 class _MoKMoE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, probs, fc1, fc2, shared_fc1, shared_fc2, cfg, ws, sched, main_grads):
+    def forward(ctx, x, probs, fc1, fc2, shared_fc1, shared_fc2, cfg, ws, sched, main_grads, hold_wgrads):
         fp8_weights = None
         if cfg.precision == "fp8":  # quantized once per weight version (fp8.WeightCache)
             # the dgrads' transposed copies only when a backward can follow; the shared expert's
@@ -26,6 +26,7 @@ class _MoKMoE(torch.autograd.Function):
         out, fwd_ctx = functional.forward(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2,
                                           fp8_weights=fp8_weights)
         ctx.cfg, ctx.ws, ctx.sched, ctx.fwd_ctx, ctx.main_grads = cfg, ws, sched, fwd_ctx, main_grads
+        ctx.hold_wgrads = hold_wgrads
         ctx.fp8_weights = fp8_weights
         ctx.save_for_backward(x, probs, fc1, fc2, shared_fc1, shared_fc2)
         return out
@@ -36,6 +37,7 @@ class _MoKMoE(torch.autograd.Function):
         grads = functional.backward(
             ctx.cfg, ctx.ws, ctx.sched, ctx.fwd_ctx, grad_out.contiguous(), x, probs, fc1, fc2,
             shared_fc1, shared_fc2, main_grads=ctx.main_grads, fp8_weights=ctx.fp8_weights,
+            hold_wgrads=ctx.hold_wgrads() if callable(ctx.hold_wgrads) else bool(ctx.hold_wgrads),
         )
         ctx.fwd_ctx = ctx.fp8_weights = None
         mains = ctx.main_grads or (None,) * 4
@@ -55,13 +57,13 @@ class _MoKMoE(torch.autograd.Function):
         return (
             grads.dx, grads.dprobs, wgrad(grads.dfc1, fc1, mains[0]), wgrad(grads.dfc2, fc2, mains[1]),
             wgrad(grads.dshared_fc1, shared_fc1, mains[2]), wgrad(grads.dshared_fc2, shared_fc2, mains[3]),
-            None, None, None, None,
+            None, None, None, None, None,
         )
 
 
 def mok_moe(x, top_experts, probs, fc1, fc2, shared_fc1=None, shared_fc2=None, *,
             cfg: MoKConfig | None = None, group: dist.ProcessGroup | None = None,
-            num_experts: int | None = None, main_grads=None):
+            num_experts: int | None = None, main_grads=None, hold_wgrads=False):
     """Differentiable MoE layer: ``out[t] = shared(x[t]) + sum_s probs[t, s] * expert_{top[t, s]}(x[t])``.
 
     x [T, H]; top_experts int [T, k] global expert ids; probs fp32 [T, k]; fc1 [nle, 2I, H];
@@ -70,6 +72,7 @@ def mok_moe(x, top_experts, probs, fc1, fc2, shared_fc1=None, shared_fc2=None, *
     ``cfg.precision == "fp8"``: the routed weights' e4m3 copies come from ``fp8.WEIGHT_CACHE``;
     a weight changed through ``.data`` needs ``fp8.WEIGHT_CACHE.clear()`` (optimizer steps clear it
     once ``fp8.WEIGHT_CACHE.register_optimizer_hook()`` ran; the Megatron adapter does that).
+    ``hold_wgrads``: a bool, or a callable the backward asks (``functional.backward``'s argument).
     """
     cfg = MoKConfig() if cfg is None else cfg
     try:
@@ -82,7 +85,7 @@ def mok_moe(x, top_experts, probs, fc1, fc2, shared_fc1=None, shared_fc2=None, *
         num_experts = fc1.shape[0] * ep
     ws = get_workspace(group, x.device, x.shape[0], x.shape[1], top_experts.shape[1], num_experts, cfg, x.dtype)
     sched = functional.build_schedule(cfg, ws, top_experts)
-    return _MoKMoE.apply(x, probs, fc1, fc2, shared_fc1, shared_fc2, cfg, ws, sched, main_grads)
+    return _MoKMoE.apply(x, probs, fc1, fc2, shared_fc1, shared_fc2, cfg, ws, sched, main_grads, hold_wgrads)
 
 
 def _share_verdict(error: MoKInputError, group, cfg, x, top_experts, probs, fc1, num_experts) -> None:

@@ -1,7 +1,7 @@
 """Tuning knobs of the mok MoE layer.
 
-Every knob except ``precision``, ``fp8_dgrad``, ``fp8_wgrad``, ``fp8_shared`` and
-``wgrad_accumulation`` changes only *how* the layer is computed (SM split, pipelining granularity,
+Every knob except ``precision``, ``fp8_dgrad``, ``fp8_wgrad``, ``fp8_shared``, ``wgrad_accumulation``
+and ``wgrad_microbatches`` changes only *how* the layer is computed (SM split, pipelining granularity,
 buffer sizes), never a result bit. Invalid values raise ``MoKConfigError`` naming the field.
 """
 
@@ -71,6 +71,14 @@ class MoKConfig:
         TransformerEngine); "unfused": they are returned, and Megatron's DDP hook adds their bf16
         values; "auto": fused exactly when Megatron's --gradient-accumulation-fusion is on. Changes
         the main_grad's rounding (fused is the more precise).
+    wgrad_microbatches: with the routed weight gradients added into fp32 main grads by their GEMMs
+        (fused, bf16 weight gradients), the backwards of up to this many consecutive micro-batches
+        of a step run their routed weight gradients as one pass that adds the micro-batches' sum
+        (formed in fp32) into main_grad, so main_grad is read and written once per group instead of
+        once per micro-batch. The earlier micro-batches' operands wait in memory: (2 H + 3 I) bf16
+        a routed row (H + 1.5 I of them a token and top-k slot). Which backwards may wait is the
+        caller's (``hold_wgrads``; in Megatron every micro-batch but a step's last). 1 (the
+        default): every backward adds its own. Changes the main_grad's rounding (1-8).
     """
 
     fwd_comm_sms: int = 24
@@ -86,13 +94,14 @@ class MoKConfig:
     forward_kernel: str = "auto"
     strict: bool = False
     wgrad_accumulation: str = "auto"
+    wgrad_microbatches: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("fwd_comm_sms", "bwd_comm_sms", "minibatch_rows"):
+        for name in ("fwd_comm_sms", "bwd_comm_sms", "minibatch_rows", "wgrad_microbatches"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise MoKConfigError(f"MoKConfig.{name} must be an int, got {value!r}")
-        for name, most in (("fwd_comm_sms", 64), ("bwd_comm_sms", 132)):
+        for name, most in (("fwd_comm_sms", 64), ("bwd_comm_sms", 132), ("wgrad_microbatches", 8)):
             value = getattr(self, name)
             if not 1 <= value <= most:
                 raise MoKConfigError(f"MoKConfig.{name} must be in [1, {most}], got {value}")

@@ -50,8 +50,8 @@ from .workspace import (
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # fp64: reference only
 
-__all__ = ["MoKGrads", "backward", "build_schedule", "check_inputs", "forward", "quantize_expert_weights",
-           "recompute_forward_context", "report_slow_path", "slow_path_reason"]
+__all__ = ["MoKGrads", "backward", "build_schedule", "check_inputs", "flush_wgrads", "forward", "held_wgrads",
+           "quantize_expert_weights", "recompute_forward_context", "report_slow_path", "slow_path_reason"]
 
 
 def _forced_reference() -> bool:
@@ -429,7 +429,7 @@ def recompute_forward_context(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedu
 
 def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out, x, probs, fc1, fc2,
              shared_fc1=None, shared_fc2=None, main_grads=None,
-             fp8_weights: fp8.FP8ExpertWeights | None = None) -> MoKGrads:
+             fp8_weights: fp8.FP8ExpertWeights | None = None, hold_wgrads: bool = False) -> MoKGrads:
     """Gradients of one MoE layer.
 
     ``sched`` must be the schedule the forward that made ``ctx`` ran (ctx None: recomputed here).
@@ -437,7 +437,10 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
     None) that the weight gradients are accumulated into (Megatron's gradient-accumulation
     fusion); the matching fields of the result are then None. ``fp8_weights``: with
     ``cfg.dgrad_precision == "fp8"``, ``quantize_expert_weights(fc1, fc2, transposed=True)`` of these
-    weights (else the dgrads' e4m3 copies are made in this call).
+    weights (else the dgrads' e4m3 copies are made in this call). ``hold_wgrads``: more backwards on
+    these main grads follow in this step, so with ``cfg.wgrad_microbatches`` > 1 the routed weight
+    gradients may wait and be added with theirs (kernel path, fused fp32 main grads, bf16 weight
+    gradients; ``flush_wgrads`` adds what waits). The reference path adds every call's at once.
     """
     def checks() -> bool:
         _check_cfg(cfg)
@@ -453,7 +456,8 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
         # all of them before the recompute's (ctx None) or the regather's first barrier
         _symmetric_buffers(cfg, ws, "backward")
         return _cuda().backward(cfg, ws, sched, ctx, grad_out, x, probs, fc1, fc2,
-                                       shared_fc1, shared_fc2, main_grads, fp8_weights=fp8_weights)
+                                       shared_fc1, shared_fc2, main_grads, fp8_weights=fp8_weights,
+                                       hold_wgrads=bool(hold_wgrads))
     given = "reference" if isinstance(ctx, reference.ReferenceContext) else "none (recomputed)"
     exchange(ws.group, ws.device, "backward",
              _call_values(cfg, ws, x, fc1, shared_fc1, fp8_weights, Agreed("forward context", "str", given)),
@@ -465,3 +469,20 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx, grad_out
                                              dgrad_precision=cfg.dgrad_precision,
                                              wgrad_precision=cfg.wgrad_precision)
     return MoKGrads(dx.to(x.dtype), dprobs, *accumulate(wgrads, main_grads))
+
+
+def held_wgrads(main_grads=None) -> int:
+    """How many layers' routed weight gradients wait for a later backward (``hold_wgrads``); with a
+    layer's ``main_grads``, 1 if its do, else 0."""
+    if not _kernels_on(torch.device("cuda")):
+        return 0
+    if main_grads is not None and (main_grads[0] is None or main_grads[1] is None):
+        return 0
+    return _cuda().wgrad_groups.held(*(main_grads[:2] if main_grads is not None else ()))
+
+
+def flush_wgrads() -> int:
+    """Add every waiting routed weight gradient into its main grad now; returns how many layers'."""
+    if not _kernels_on(torch.device("cuda")):
+        return 0
+    return _cuda().wgrad_groups.flush()

@@ -309,6 +309,8 @@ def expert_wgrad(a, a_offsets, b, b_offsets, counts, out, num_ctas: int = 0) -> 
     in ascending order, one rounding): expert e's ``counts[e]`` rows start at ``a_offsets[e]`` in
     ``a`` (``[rows, M]``) and ``b_offsets[e]`` in ``b`` (``[rows', N]``); the rows up to the next
     multiple of 16 are read too and must be zero in ``a`` or ``b``. Experts without rows get zeros.
+    Parts: offsets ``[P, nseg + 1]`` and counts ``[P, nseg]`` give P row layouts inside ``a`` and
+    ``b`` (e.g. P micro-batches), summed part after part into the one accumulator.
     ``out`` bf16 is written; ``out`` fp32 gets the product added (``out[e] +=``, in fp32, no bf16
     rounding; Megatron's ``main_grad``), and experts without rows add nothing."""
     _ops().expert_wgrad(a, a_offsets, b, b_offsets, counts, out, num_ctas)

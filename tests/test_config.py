@@ -198,9 +198,9 @@ def test_flags_map_onto_the_config():
     assert mok_config_from_args(_parse()) == MoKConfig()
     cfg = mok_config_from_args(_parse("--mok-forward-kernel", "staged", "--mok-strict", "--mok-capacity-factor", "0.5",
                                       "--mok-precision", "fp8", "--mok-bf16-wgrad", "--mok-recompute-gate-up",
-                                      "--mok-wgrad-accumulation", "fused"))
+                                      "--mok-wgrad-accumulation", "fused", "--mok-wgrad-microbatches", "4"))
     assert cfg == MoKConfig(forward_kernel="staged", strict=True, capacity_factor=0.5, precision="fp8",
-                            fp8_wgrad=False, save_gate_up=False, wgrad_accumulation="fused")
+                            fp8_wgrad=False, save_gate_up=False, wgrad_accumulation="fused", wgrad_microbatches=4)
     assert _parse().mok_param_digest_every == 0 and _parse("--mok-param-digest-every", "50").mok_param_digest_every == 50
 
 
@@ -212,6 +212,7 @@ def test_flags_map_onto_the_config():
     (("--mok-peer-timeout-s", "0"), "--mok-peer-timeout-s"),
     (("--mok-forward-kernel", "persistent", "--mok-precision", "fp8"), "--mok-forward-kernel"),
     (("--mok-bf16-dgrad",), "--mok-bf16-dgrad"),
+    (("--mok-wgrad-microbatches", "0"), "--mok-wgrad-microbatches"),
     (("--mok-param-digest-every", "-1"), "--mok-param-digest-every"),
 ])
 def test_invalid_flags_raise_whatever_the_backend(backend, argv, flag):
@@ -260,7 +261,9 @@ def test_no_warning_when_the_flags_apply(argv, fresh_warning):
 
 def test_new_config_fields_are_validated():
     for field, value in (("forward_kernel", "fast"), ("forward_kernel", None), ("strict", 1), ("strict", "yes"),
-                         ("wgrad_accumulation", "always"), ("wgrad_accumulation", True)):
+                         ("wgrad_accumulation", "always"), ("wgrad_accumulation", True),
+                         ("wgrad_microbatches", 0), ("wgrad_microbatches", 9), ("wgrad_microbatches", True),
+                         ("wgrad_microbatches", 2.0)):
         with pytest.raises(MoKConfigError, match=field):
             MoKConfig(**{field: value})
     with pytest.raises(MoKConfigError, match="forward_kernel"):

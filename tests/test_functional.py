@@ -392,6 +392,12 @@ def check_recompute_and_main_grads(rank=0, world=1):
             for i, (m, b, gw) in enumerate(zip(main, before, wg)):
                 if b is not None:
                     assert m.dtype == torch.float32 and torch.equal(m, b + gw), f"{tag} main_grads[{i}]"
+            # the reference path adds at once even where the kernels could hold (hold_wgrads)
+            held = [None if b is None else b.clone() for b in before]
+            mok.backward(cfg.replace(wgrad_microbatches=2), ws, sched, ctx, d["grad"], x, *w,
+                         main_grads=tuple(held), hold_wgrads=True)
+            assert all(b is None or torch.equal(h, m) for h, m, b in zip(held, main, before)), f"{tag} hold_wgrads"
+            assert mok.held_wgrads() == 0 and mok.flush_wgrads() == 0
             # a second backward adds again; a partial tuple only fuses the given entries
             g5 = mok.backward(cfg, ws, sched, ctx, d["grad"], x, *w, main_grads=(main[0], None, main[2], None))
             assert torch.equal(main[0], (before[0] + wg[0]) + wg[0]), f"{tag} second accumulation"

@@ -271,3 +271,43 @@ def _fused_wgrad_accumulation(rank, world):
 
 def test_fused_wgrad_accumulation_into_main_grad():
     run_distributed(_fused_wgrad_accumulation, world_size=2, timeout=300)
+
+
+def test_wgrad_hold_holds_every_microbatch_of_a_step_but_the_last(monkeypatch):
+    """MoKMoELayer._wgrad_hold, asked by each backward: with wgrad_microbatches > 1 and main grads,
+    True for a step's micro-batches but its last (Megatron's iteration and micro-batch count), counted
+    afresh each iteration; False outside Megatron's training loop, without main grads or with
+    wgrad_microbatches 1; a layer whose weight gradients still wait when the next iteration starts
+    raises instead of training on a main_grad that missed them."""
+    import types
+
+    from megatron_mok import functional
+    from megatron_mok.adapter import layer as layer_mod
+
+    saved = layer_mod.get_mok_config()
+    step = {"now": (3, 5)}
+    held = {"n": 0}
+    monkeypatch.setattr(layer_mod, "_training_step", lambda: step["now"])
+    monkeypatch.setattr(functional, "held_wgrads", lambda main_grads=None: held["n"])
+    fake = types.SimpleNamespace(layer_number=2, _wgrad_step=None, _wgrad_calls=0)
+    hold = lambda mains=("m1", "m2", None, None): layer_mod.MoKMoELayer._wgrad_hold(fake, mains)  # noqa: E731
+    try:
+        layer_mod.set_mok_config(saved.replace(wgrad_microbatches=2))
+        assert [hold() for _ in range(5)] == [True, True, True, True, False]
+        assert [hold() for _ in range(2)] == [False, False]  # more backwards than micro-batches: never hold
+        step["now"] = (4, 2)
+        assert [hold() for _ in range(2)] == [True, False]
+        assert hold(None) is False
+        step["now"] = (5, 3)
+        held["n"] = 1
+        with pytest.raises(RuntimeError, match="never came"):
+            hold()
+        held["n"] = 0
+        step["now"] = (None, None)
+        assert hold() is False
+        layer_mod.set_mok_config(saved.replace(wgrad_microbatches=1))
+        step["now"] = (6, 4)
+        assert hold() is False
+    finally:
+        layer_mod.set_mok_config(saved)
+

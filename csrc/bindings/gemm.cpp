@@ -221,13 +221,20 @@ void expert_wgrad(const Tensor& a, const Tensor& a_offsets, const Tensor& b, con
   using ll = long long;
   MOK_CHECK(out.size(1) == M && out.size(2) == N, "megatron_mok: expert_wgrad out must be [nseg, %lld, %lld], got [%lld, %lld, %lld]",
             ll(M), ll(N), ll(nseg), ll(out.size(1)), ll(out.size(2)));
-  MOK_CHECK(a_offsets.numel() == nseg + 1 && b_offsets.numel() == nseg + 1 && counts.numel() == nseg,
-            "megatron_mok: expert_wgrad needs nseg + 1 offsets in each layout and nseg counts (nseg = %lld)", ll(nseg));
+  // parts: offsets [nparts, nseg + 1] and counts [nparts, nseg] (1-D: one part)
+  const int64_t nparts = counts.numel() / std::max<int64_t>(nseg, 1);
+  MOK_CHECK(nparts >= 1 && counts.numel() == nparts * nseg && a_offsets.numel() == nparts * (nseg + 1) &&
+                b_offsets.numel() == nparts * (nseg + 1),
+            "megatron_mok: expert_wgrad needs nseg + 1 offsets in each layout and nseg counts per part (nseg = %lld; "
+            "got %lld and %lld offsets, %lld counts)", ll(nseg), ll(a_offsets.numel()), ll(b_offsets.numel()),
+            ll(counts.numel()));
+  for (auto* t : {&a_offsets, &b_offsets, &counts})
+    TORCH_CHECK(t->is_contiguous(), "megatron_mok: expert_wgrad offsets and counts must be contiguous");
   c10::cuda::CUDAGuard guard(a.device());
   check(mok::launch_expert_wgrad(a.data_ptr(), a.size(0), static_cast<int>(M), a_offsets.data_ptr<int>(), b.data_ptr(),
                                  b.size(0), static_cast<int>(N), b_offsets.data_ptr<int>(), counts.data_ptr<int>(),
-                                 static_cast<int>(nseg), out.data_ptr(), out_f32, static_cast<int>(num_ctas),
-                                 current_stream()));
+                                 static_cast<int>(nseg), static_cast<int>(nparts), out.data_ptr(), out_f32,
+                                 static_cast<int>(num_ctas), current_stream()));
 }
 
 // out[e] = (a_t[:, rows of e] @ b_t[:, rows of e]^T) * a_scale[e][:, None] * b_scale[e][None, :]

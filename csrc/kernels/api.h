@@ -208,13 +208,14 @@ const char* launch_expert_dgrad(const void* dy, int64_t rows, int K, const void*
 
 // Routed weight gradients, expert-major: out[e] = a[rows of e]^T @ b[rows of e] ([M, N] per
 // expert, fp32 accumulation over the rows in ascending order, one bf16 rounding). Expert e's rows
-// start at a_offsets[e] in a ([a_rows, M]) and b_offsets[e] in b ([b_rows, N]); counts[e] real
-// rows, rounded up to 16 (rows between must be zero in a or b); experts without rows get zeros.
-// out_f32: out is fp32 and out[e] += the product in fp32 (no rounding to bf16; Megatron's main_grad
-// under gradient-accumulation fusion); an expert without rows adds nothing.
+// of part q start at a_offsets[q][e] in a ([a_rows, M]) and b_offsets[q][e] in b ([b_rows, N])
+// (offsets [nparts][nseg + 1], counts [nparts][nseg]); counts[q][e] real rows, rounded up to 16
+// (rows between must be zero in a or b); the parts reduce in order into one accumulator; experts
+// without rows get zeros. out_f32: out is fp32 and out[e] += the product in fp32 (no rounding to
+// bf16; Megatron's main_grad under gradient-accumulation fusion); an expert without rows adds nothing.
 const char* launch_expert_wgrad(const void* a, int64_t a_rows, int M, const int* a_offsets, const void* b,
-                                int64_t b_rows, int N, const int* b_offsets, const int* counts, int nseg, void* out,
-                                bool out_f32, int num_ctas, cudaStream_t stream);
+                                int64_t b_rows, int N, const int* b_offsets, const int* counts, int nseg, int nparts,
+                                void* out, bool out_f32, int num_ctas, cudaStream_t stream);
 
 // The same in e4m3: out[e] = (a_t[:, rows of e] @ b_t[:, rows of e]^T) * a_scale[e][m] * b_scale[e][n]
 // with a_t [M, ld], b_t [N, ld] from launch_quantize_columns_e4m3 (one row layout: expert e's

@@ -76,6 +76,11 @@ def add_mok_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "themselves (needs neither apex nor TransformerEngine); unfused: Megatron's DDP hook "
                             "adds their bf16 gradients; auto (default): fused exactly with "
                             "--gradient-accumulation-fusion")
+    group.add_argument("--mok-wgrad-microbatches", type=int, default=None, metavar="N",
+                       help="with fused weight-gradient accumulation: the routed experts' weight gradients of up "
+                            "to N consecutive micro-batches of a step run as one GEMM pass that adds their fp32 "
+                            "sum into main_grad (main_grad read and written once per N; the waiting operands "
+                            f"take memory; changes main_grad's rounding; default {defaults.wgrad_microbatches})")
     group.add_argument("--mok-bf16-dgrad", action="store_true",
                        help="with --mok-precision fp8: keep the backward's routed dgrads in bf16")
     group.add_argument("--mok-bf16-wgrad", action="store_true",
@@ -104,6 +109,7 @@ _ARG_TO_FIELD = {
     "mok_precision": "precision",
     "mok_forward_kernel": "forward_kernel",
     "mok_wgrad_accumulation": "wgrad_accumulation",
+    "mok_wgrad_microbatches": "wgrad_microbatches",
 }
 # Switches of the mok layer (store_true flags) and the MoKConfig field each one sets.
 _SWITCHES = ("mok_bf16_dgrad", "mok_bf16_wgrad", "mok_bf16_shared", "mok_recompute_gate_up", "mok_strict")

@@ -8,6 +8,8 @@ can be fused, the shared expert's weights. Parameters keep Megatron's names and 
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -53,11 +55,33 @@ class MoKMoELayer(MoELayer):
         if not isinstance(self.experts, GroupedMLP):
             raise TypeError(f"--moe-backend mok needs megatron_mok GroupedMLP experts, got {type(self.experts).__name__}")
         self.ep_group = pg_collection.ep if pg_collection is not None else self.ep_group
+        self._wgrad_step, self._wgrad_calls = None, 0  # _wgrad_hold's count of this step's backwards
         _report_slow_path(config, get_pg_size(self.ep_group), self._fusable_shared_weights() is not None)
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             where = "MTP layer" if is_mtp_layer else "decoder layer"
             print(f"[megatron_mok] MoE {where}: --moe-backend mok, {self.num_local_experts} local experts "
                   f"x EP {get_pg_size(self.ep_group)}", flush=True)
+
+    def _wgrad_hold(self, main_grads) -> bool:
+        """Asked by each backward of this layer: whether its routed weight gradients may wait for a
+        later backward of the same step (MoKConfig.wgrad_microbatches > 1): yes for every
+        micro-batch of a step but its last (Megatron's iteration and micro-batch count)."""
+        if _MOK_CONFIG.wgrad_microbatches == 1 or main_grads is None:
+            return False
+        step, microbatches = _training_step()
+        if step is None:
+            return False
+        if step != self._wgrad_step:
+            if functional.held_wgrads(main_grads):
+                raise RuntimeError(
+                    f"megatron_mok: layer {self.layer_number}'s routed weight gradients of iteration "
+                    f"{self._wgrad_step} were held for a later micro-batch that never came (iteration {step} "
+                    "has begun), so its main_grad missed them; this happens when a step runs fewer backward "
+                    "passes than get_num_microbatches() says. Run with --mok-wgrad-microbatches 1")
+            self._wgrad_step, self._wgrad_calls = step, 0
+        index = self._wgrad_calls
+        self._wgrad_calls += 1
+        return index < microbatches - 1
 
     def _fusable_shared_weights(self):
         """The shared expert's (fc1, fc2) weights when the kernel can run it, else None."""
@@ -88,10 +112,11 @@ class MoKMoELayer(MoELayer):
             top, weights = routing_to_topk(probs, routing_map, self.config.moe_router_topk)
             fc1, fc2 = self.experts.linear_fc1.weight, self.experts.linear_fc2.weight
             params = (fc1, fc2, *(shared or (None, None)))
+            main_grads = _main_grads(self.config, params)
             out = mok_moe(
                 x, top, weights, *params,
                 cfg=_MOK_CONFIG, group=self.ep_group, num_experts=self.config.num_moe_experts,
-                main_grads=_main_grads(self.config, params),
+                main_grads=main_grads, hold_wgrads=partial(self._wgrad_hold, main_grads),
             ).view(shape)
             if separate_shared is not None:
                 out = out + separate_shared
@@ -102,6 +127,19 @@ class MoKMoELayer(MoELayer):
         else:
             out = fused_forward(hidden_states, padding_mask)
         return out, None
+
+
+def _training_step():
+    """(Megatron's current iteration, micro-batches a step), or (None, None) outside Megatron's
+    training loop (then no backward holds its weight gradients)."""
+    try:
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        from megatron.training.global_vars import get_args
+
+        step = getattr(get_args(), "curr_iteration", None)
+        return (step, get_num_microbatches()) if step is not None else (None, None)
+    except (AssertionError, AttributeError, ImportError, RuntimeError):
+        return None, None
 
 
 def _main_grads(config, params):

@@ -39,7 +39,7 @@ from ..grads import MoKGrads, accumulate
 from ..header import call_header
 from ..schedule import MoKSchedule
 from ..workspace import MoKWorkspace
-from . import dispatch, experts
+from . import dispatch, experts, wgrad_groups
 from .comm import comm, join, mark, side_stream
 from .context import KernelContext
 from .forward import recompute_forward_context
@@ -78,7 +78,7 @@ class _LateTransposes:
 
 def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx: KernelContext | None, grad_out, x, probs,
              fc1, fc2, shared_fc1=None, shared_fc2=None, main_grads=None, *, comm_ctas: int = 0,
-             fp8_weights=None) -> MoKGrads:
+             fp8_weights=None, hold_wgrads: bool = False) -> MoKGrads:
     """Gradients of one layer on the device.
 
     No host sync and no data-dependent shapes (CUDA-graph capturable once the workspace's buffers
@@ -92,7 +92,9 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx: KernelCo
     in fp32 (``fused_main_grad``: no bf16 rounding, no bf16 copy, as Megatron's gradient-accumulation
     fusion does); other main grads get the bf16 gradient added.
     ``ctx`` None: the forward context is recomputed here. ``comm_ctas``: CTAs of the pull and push
-    kernels (0: ``4 * cfg.bwd_comm_sms``); no bit changes.
+    kernels (0: ``4 * cfg.bwd_comm_sms``); no bit changes. ``hold_wgrads`` with
+    ``cfg.wgrad_microbatches`` > 1 and both routed main grads fused (bf16 weight gradients): the
+    routed weight gradients may wait for later backwards on the same main grads (wgrad_groups.py).
     """
     c = comm(ws)
     # the call's symmetric buffers (comm.CALL_BUFFERS), all before the recompute's first barrier
@@ -110,6 +112,12 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx: KernelCo
             experts.quantize_expert_weights(fc1, fc2, transposed=True)
     bf16 = dict(dtype=torch.bfloat16, device=ws.device)
     fc1, fc2 = fc1.contiguous(), fc2.contiguous()
+    main1 = fused_main_grad(main_grads, 0, (nle, 2 * I, H), ws.device)
+    main2 = fused_main_grad(main_grads, 1, (nle, H, I), ws.device)
+    # where the weight gradients' operands go: this backward's part of its layer's group (several
+    # micro-batches in one weight-gradient pass), or tensors of its own
+    grouped = not wgrad8 and main1 is not None and main2 is not None
+    part = wgrad_groups.Part(cfg.wgrad_microbatches if grouped else 1, cap, H, I, ws.device, main1, main2)
     g = _aligned(grad_out)
     x = _aligned(x)
     comm_ctas = comm_ctas or 4 * cfg.bwd_comm_sms
@@ -117,8 +125,8 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx: KernelCo
     # 0. gate/up pre-activations not kept (save_gate_up off): the rows and the forward's gate/up GEMM
     rows, h = None, ctx.h
     if h is None:
-        rows = dispatch.regather(cfg, ws, sched, x)
-        h = experts.recompute_gate_up(dispatch.rows_bf16(rows, sched), fc1, sched)
+        rows = dispatch.regather(cfg, ws, sched, x, out=part.x_rows)
+        h = experts.recompute_gate_up(dispatch.rows_bf16(rows, sched, out=part.x_rows), fc1, sched)
 
     # 1. publish grad_out and probs, barrier
     (gbuf, g_ptrs), (pbuf, p_ptrs) = bufs["bwd_grad"], bufs["bwd_probs"]
@@ -132,7 +140,7 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx: KernelCo
     dprobs = torch.empty((T, k), dtype=torch.float32, device=ws.device)
 
     # 2. pull the grad_out rows as they are and their router weights (fp8 dgrads: in e4m3 too)
-    g_rows = torch.empty((cap, H), **bf16)
+    g_rows = part.g_rows
     row_w = torch.empty((cap,), dtype=torch.float32, device=ws.device)
     gq = gs = None
     if w8 is not None:
@@ -157,8 +165,7 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx: KernelCo
         late8.start("dy", g_rows)
 
     # 4. routed dgrads (cap rows allocated: the row count is a device value; padding rows are zero)
-    dh = torch.empty((cap, 2 * I), **bf16)
-    act_w = torch.empty((cap, I), **bf16)
+    dh, act_w = part.dh, part.act_w
     dot = ops.dot_pieces(cap, I, ws.device)
     if w8 is not None:
         dhq, dhs = experts.down_dgrad_fp8(w8, gq, gs, h, offsets, counts, row_w, dh, act_w, dot)
@@ -195,8 +202,12 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx: KernelCo
     # 6. the fc1 weight gradient on the routed rows, dispatched once more (first: then dh and the
     #    rows go before the down projection's gradient is allocated)
     if rows is None:
-        rows = dispatch.regather(cfg, ws, sched, x)
-    main1 = fused_main_grad(main_grads, 0, (nle, 2 * I, H), ws.device)
+        rows = dispatch.regather(cfg, ws, sched, x, out=part.x_rows)
+    if part.group is not None:  # both weight gradients with the group's other parts, now or later
+        dispatch.rows_bf16(rows, sched, out=part.x_rows)
+        del rows, dh, g_rows, act_w
+        part.finish(offsets, counts, hold_wgrads)
+        return MoKGrads(dx.to(x.dtype), dprobs, *accumulate([None, None, dsfc1, dsfc2], main_grads))
     dfc1 = main1 if main1 is not None else torch.empty((nle, 2 * I, H), **bf16)
     if wgrad8:  # e4m3 transposes, one scale per (expert, column)
         x_t, x_s = ops.quantize_columns_e4m3(rows, offsets, counts) if isinstance(rows, torch.Tensor) else \
@@ -213,7 +224,6 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx: KernelCo
         del dh, x_rows
 
     # 7. the down projection's weight gradient
-    main2 = fused_main_grad(main_grads, 1, (nle, H, I), ws.device)
     dfc2 = main2 if main2 is not None else torch.empty((nle, H, I), **bf16)
     if wgrad8:
         dy_t, dy_s = late8.take("dy", g_rows)

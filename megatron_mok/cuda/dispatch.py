@@ -30,9 +30,10 @@ def publish_bf16(cfg: MoKConfig, ws: MoKWorkspace, x: torch.Tensor, sched: MoKSc
     return x_ptrs
 
 
-def dispatch_bf16(ws: MoKWorkspace, sched: MoKSchedule, x_ptrs: list[int], comm_ctas: int = 0) -> torch.Tensor:
-    """x_routed [cap, H] bf16 pulled from the peers (padding rows zero)."""
-    x_routed = torch.empty((sched.capacity, ws.hidden), dtype=torch.bfloat16, device=ws.device)
+def dispatch_bf16(ws: MoKWorkspace, sched: MoKSchedule, x_ptrs: list[int], comm_ctas: int = 0,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """x_routed [cap, H] bf16 pulled from the peers (padding rows zero), into ``out`` if given."""
+    x_routed = torch.empty((sched.capacity, ws.hidden), dtype=torch.bfloat16, device=ws.device) if out is None else out
     ops.dispatch(sched.row_src_rank, sched.row_src_slot, sched.expert_offsets, x_routed, x_ptrs, ws.topk, comm_ctas)
     return x_routed
 
@@ -77,24 +78,29 @@ def dispatch_e4m3(ws: MoKWorkspace, sched: MoKSchedule, published, comm_ctas: in
     return q_routed, s_routed
 
 
-def regather(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x: torch.Tensor, comm_ctas: int = 0):
+def regather(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x: torch.Tensor, comm_ctas: int = 0,
+             out: torch.Tensor | None = None):
     """The routed rows once more, for the backward: the forward's own dispatch of the layer input
-    (the same bits: bf16 rows [cap, H], or fp8 (e4m3 rows, scales) as ``dispatch_e4m3`` gives them),
-    then a barrier after which no peer reads this rank's published rows."""
+    (the same bits: bf16 rows [cap, H], into ``out`` if given, or fp8 (e4m3 rows, scales) as
+    ``dispatch_e4m3`` gives them), then a barrier after which no peer reads this rank's published rows."""
     if cfg.precision == "fp8":
         rows = dispatch_e4m3(ws, sched, publish_e4m3(cfg, ws, x, sched), comm_ctas)
     else:
-        rows = dispatch_bf16(ws, sched, publish_bf16(cfg, ws, x, sched), comm_ctas)
+        rows = dispatch_bf16(ws, sched, publish_bf16(cfg, ws, x, sched), comm_ctas, out=out)
     c = comm(ws)
     ops.barrier(c.state, ws.errors, c.flag_ptrs, ws.rank, cfg.peer_timeout_s, schedule=sched)
     return rows
 
 
-def rows_bf16(rows, sched: MoKSchedule) -> torch.Tensor:
-    """``regather``'s rows in bf16: as they are, or the e4m3 rows dequantized (a new tensor)."""
+def rows_bf16(rows, sched: MoKSchedule, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``regather``'s rows in bf16: as they are (copied into ``out`` if given and not already
+    there), or the e4m3 rows dequantized (into ``out``, else a new tensor)."""
     if isinstance(rows, torch.Tensor):
+        if out is not None and rows.data_ptr() != out.data_ptr():
+            out.copy_(rows)
+            return out
         return rows
     q, scale = rows
-    x = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    x = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device) if out is None else out
     ops.dequantize_rows_e4m3(q, scale, x, sched.expert_offsets[-1:])
     return x

@@ -93,13 +93,14 @@ const char* launch_wgrad_out(const xwgrad::Params& p, bool out_f32, int num_ctas
 }  // namespace
 
 const char* launch_expert_wgrad(const void* a, int64_t a_rows, int M, const int* a_offsets, const void* b,
-                                int64_t b_rows, int N, const int* b_offsets, const int* counts, int nseg, void* out,
-                                bool out_f32, int num_ctas, cudaStream_t stream) {
+                                int64_t b_rows, int N, const int* b_offsets, const int* counts, int nseg, int nparts,
+                                void* out, bool out_f32, int num_ctas, cudaStream_t stream) {
   if (const char* m = check_wgrad_shape(nseg, M, N, out)) return m;
+  if (nparts < 1) return "mok expert_wgrad: no parts";
   if (a_rows > (int64_t)1 << 30 || b_rows > (int64_t)1 << 30) return "mok expert_wgrad: too many rows";
   CUtensorMap tmA, tmB;
   if (const char* m = xwgrad::make_operand_maps(&tmA, &tmB, a, a_rows, M, b, b_rows, N)) return m;
-  const xwgrad::Params p = xwgrad::make_params(a_offsets, b_offsets, counts, nseg, M, N, out);
+  const xwgrad::Params p = xwgrad::make_params(a_offsets, b_offsets, counts, nseg, nparts, M, N, out);
   return launch_wgrad_out<xwgrad::Bf16Operands>(p, out_f32, num_ctas, stream, tmA, tmB, nullptr, nullptr);
 }
 
@@ -114,7 +115,7 @@ const char* launch_expert_wgrad_fp8(const void* a_t, int M, const float* a_scale
     return "mok expert_wgrad_fp8: operands need 16-byte and scales 8-byte aligned addresses";
   CUtensorMap tmA, tmB;
   if (const char* m = xwgrad::make_e4m3_operand_maps(&tmA, &tmB, a_t, M, b_t, N, ld)) return m;
-  const xwgrad::Params p = xwgrad::make_params(offsets, offsets, counts, nseg, M, N, out);
+  const xwgrad::Params p = xwgrad::make_params(offsets, offsets, counts, nseg, 1, M, N, out);
   return launch_wgrad_out<xwgrad::E4m3Operands>(p, out_f32, num_ctas, stream, tmA, tmB, a_scale, b_scale);
 }
 

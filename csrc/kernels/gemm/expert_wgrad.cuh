@@ -8,7 +8,9 @@
 // A task is (expert e, 128 rows of dW[e], 256 columns of dW[e]); its K loop runs over the expert's
 // rows in ascending order and one task owns each output element: the bits do not depend on the
 // grid or the task order. A and B may use different row layouts: a_offsets / b_offsets give each
-// expert's first row in each. Only the first ceil16(rows) rows enter the MMA (the last stage issues
+// expert's first row in each. Parts: the rows of several micro-batches, each in its own layout
+// inside the same A and B (row p of offsets / counts per part), reduce into one accumulator, part
+// after part, so main_grad is read and written once for all of them. Only the first ceil16(rows) rows enter the MMA (the last stage issues
 // only its 16-row groups inside them), and rows between the real count and that bound must be zero
 // in A or B (padding rows). Experts without rows get exact zeros (a bf16 out) or add nothing (an
 // fp32 out, which the tiles are added into: add_task_f32).
@@ -71,10 +73,10 @@ __device__ __forceinline__ Smem carve_smem(uint8_t* raw) {
 }
 
 struct Params {
-  const int* a_offsets;  // [nseg + 1]: expert e's first row in A
-  const int* b_offsets;  // [nseg + 1]: expert e's first row in B
-  const int* counts;     // [nseg]: real rows of expert e
-  int nseg;
+  const int* a_offsets;  // [nparts][nseg + 1]: expert e's first row of part q in A
+  const int* b_offsets;  // [nparts][nseg + 1]: the same in B
+  const int* counts;     // [nparts][nseg]: real rows of expert e in part q
+  int nseg, nparts;
   int M, N;              // dW[e] is [M, N]
   int m_blocks, n_blocks;
   bool m_fastest;        // consecutive tasks of an expert walk dW's row blocks (decode)
@@ -84,9 +86,19 @@ struct Params {
 // Rows of expert e that enter the MMA: the real ones rounded up to kGroup (an MMA's K: 16 bf16, 32
 // e4m3 rows), inside both segments.
 template <int kGroup = 16>
-__device__ __forceinline__ int k_rows(const Params& p, int e) {
-  const int rows = max(0, min(p.counts[e], min(p.a_offsets[e + 1] - p.a_offsets[e], p.b_offsets[e + 1] - p.b_offsets[e])));
+__device__ __forceinline__ int k_rows(const Params& p, int e, int q) {
+  const int* ao = p.a_offsets + q * (p.nseg + 1);
+  const int* bo = p.b_offsets + q * (p.nseg + 1);
+  const int rows = max(0, min(p.counts[q * p.nseg + e], min(ao[e + 1] - ao[e], bo[e + 1] - bo[e])));
   return (rows + kGroup - 1) / kGroup * kGroup;
+}
+
+// Whether any part of expert e has rows (else its tile is zeros, or adds nothing).
+template <int kGroup = 16>
+__device__ __forceinline__ bool has_rows(const Params& p, int e) {
+  for (int q = 0; q < p.nparts; ++q)
+    if (k_rows<kGroup>(p, e, q) > 0) return true;
+  return false;
 }
 
 struct Task {
@@ -169,13 +181,15 @@ template <class Ops = Bf16Operands, class Ring>
 __device__ __forceinline__ void produce_task(const Params& p, const CUtensorMap* tmA, const CUtensorMap* tmB,
                                              const Ring& sm, const Task& t, uint32_t& it) {
   constexpr int kStages = Ring::kStages;
-  const int nk = (k_rows<Ops::kGroup>(p, t.seg) + Ops::kStageRows - 1) / Ops::kStageRows;
-  const int a0 = p.a_offsets[t.seg], b0 = p.b_offsets[t.seg];
-  for (int kb = 0; kb < nk; ++kb, ++it) {
-    const int s = it % kStages;
-    gemm::ring_wait<false>(sm.empty(s), ((it / kStages) & 1) ^ 1, nullptr);
-    mbar_arrive_expect_tx(sm.full(s), kABytes + kBBytes);
-    Ops::load(sm, s, tmA, tmB, t, a0 + kb * Ops::kStageRows, b0 + kb * Ops::kStageRows);
+  for (int q = 0; q < p.nparts; ++q) {
+    const int nk = (k_rows<Ops::kGroup>(p, t.seg, q) + Ops::kStageRows - 1) / Ops::kStageRows;
+    const int a0 = p.a_offsets[q * (p.nseg + 1) + t.seg], b0 = p.b_offsets[q * (p.nseg + 1) + t.seg];
+    for (int kb = 0; kb < nk; ++kb, ++it) {
+      const int s = it % kStages;
+      gemm::ring_wait<false>(sm.empty(s), ((it / kStages) & 1) ^ 1, nullptr);
+      mbar_arrive_expect_tx(sm.full(s), kABytes + kBBytes);
+      Ops::load(sm, s, tmA, tmB, t, a0 + kb * Ops::kStageRows, b0 + kb * Ops::kStageRows);
+    }
   }
 }
 
@@ -200,38 +214,54 @@ struct Nothing {
   __device__ __forceinline__ void operator()() const {}
 };
 
-// Consumer warpgroup cw: dW rows 64 cw .. 64 cw + 63 of the task against its 256 columns.
-// in_flight() runs once, while the MMA of the task's second full stage (or its only stage) is in
-// flight: the fp32 epilogue's first main_grad load starts there.
+// Consumer warpgroup cw: dW rows 64 cw .. 64 cw + 63 of the task against its 256 columns, over its
+// parts in order. in_flight() runs once, while the MMA of the task's second full stage (or its only
+// full stage; with none, before its first stage) is in flight: the fp32 epilogue's first main_grad
+// load starts there.
 template <class Ops = Bf16Operands, class Ring, class InFlight = Nothing>
 __device__ __forceinline__ void mma_task(const Params& p, const Ring& sm, int cw, const Task& t, float (&acc)[128],
                                          uint32_t& it, InFlight&& in_flight = InFlight{}) {
   constexpr int kStages = Ring::kStages;
   static_assert(Ops::kStageRows == 4 * Ops::kGroup, "four MMA groups a stage");
-  const int kr = k_rows<Ops::kGroup>(p, t.seg);  // 0 for an expert without rows: store_task writes zeros
-  const int full = kr / Ops::kStageRows, tail = (kr % Ops::kStageRows) / Ops::kGroup;
-  int prev = -1;
-  for (int kb = 0; kb < full; ++kb, ++it) {
-    const int s = it % kStages;
-    gemm::ring_wait<false>(sm.full(s), (it / kStages) & 1, nullptr);
-    issue_groups<4, Ops>(sm, s, cw, acc, kb > 0);
-    gemm::commit_and_release_previous<false>(prev, [&](int i) { return sm.empty(i); });
-    prev = s;
-    if (kb == min(1, full - 1)) in_flight();
-  }
-  wgmma_wait<0>();
-  if (prev >= 0) gemm::release_stage<false>(sm.empty(prev));
-  if (full == 0 && tail > 0) in_flight();  // an expert without rows loads nothing
-  if (tail > 0) {
-    // the last stage holds 1-3 MMA groups of the expert: one straight-line sequence per count,
-    // with nothing in flight across the branch
-    const int s = it % kStages;
-    gemm::ring_wait<false>(sm.full(s), (it / kStages) & 1, nullptr);
-    if (tail == 1) tail_stage<1, Ops>(sm, s, cw, acc, full > 0);
-    else if (tail == 2) tail_stage<2, Ops>(sm, s, cw, acc, full > 0);
-    else tail_stage<3, Ops>(sm, s, cw, acc, full > 0);
-    gemm::release_stage<false>(sm.empty(s));
-    ++it;
+  int total_full = 0;  // full stages of all parts (0 rows in every part: store_task writes zeros)
+  for (int q = 0; q < p.nparts; ++q) total_full += k_rows<Ops::kGroup>(p, t.seg, q) / Ops::kStageRows;
+  const int flight_at = min(1, total_full - 1);
+  int done = 0;  // full stages issued
+  bool started = false, flown = false;
+  for (int q = 0; q < p.nparts; ++q) {
+    const int kr = k_rows<Ops::kGroup>(p, t.seg, q);
+    const int full = kr / Ops::kStageRows, tail = (kr % Ops::kStageRows) / Ops::kGroup;
+    int prev = -1;
+    for (int kb = 0; kb < full; ++kb, ++it, ++done) {
+      const int s = it % kStages;
+      gemm::ring_wait<false>(sm.full(s), (it / kStages) & 1, nullptr);
+      issue_groups<4, Ops>(sm, s, cw, acc, started);
+      started = true;
+      gemm::commit_and_release_previous<false>(prev, [&](int i) { return sm.empty(i); });
+      prev = s;
+      if (!flown && done == flight_at) {  // once: a part's tail may have run it already
+        in_flight();
+        flown = true;
+      }
+    }
+    wgmma_wait<0>();
+    if (prev >= 0) gemm::release_stage<false>(sm.empty(prev));
+    if (tail > 0) {
+      if (!flown) {  // no full stage in the task: an expert without rows loads nothing
+        in_flight();
+        flown = true;
+      }
+      // the part's last stage holds 1-3 MMA groups: one straight-line sequence per count, with
+      // nothing in flight across the branch
+      const int s = it % kStages;
+      gemm::ring_wait<false>(sm.full(s), (it / kStages) & 1, nullptr);
+      if (tail == 1) tail_stage<1, Ops>(sm, s, cw, acc, started);
+      else if (tail == 2) tail_stage<2, Ops>(sm, s, cw, acc, started);
+      else tail_stage<3, Ops>(sm, s, cw, acc, started);
+      started = true;
+      gemm::release_stage<false>(sm.empty(s));
+      ++it;
+    }
   }
   fence_regs(acc);
 }
@@ -360,7 +390,7 @@ __device__ __forceinline__ void store_task_tma(const Params& p, const Ring& sm, 
   const int w = tid / 32, lane = tid % 32;
   const uint32_t boxes = smem_u32(sm.out(cw));
   scale.stage();  // the previous task's slices were read before its closing barrier
-  const bool zero = k_rows(p, t.seg) == 0;  // an expert without rows: exact zeros, the accumulators unread
+  const bool zero = !has_rows(p, t.seg);  // an expert without rows: exact zeros, the accumulators unread
   box_round(
       cw,
       [&] {
@@ -440,7 +470,7 @@ template <class Ops, class Ring>
 __device__ __forceinline__ void produce_main_grad_round(const Params& p, const CUtensorMap* tmOut, const Ring& sm,
                                                         const Task& t, uint32_t& it) {
   static_assert(4 * kBoxBytes <= kBBytes, "a round's four boxes fit a stage's B part");
-  if (k_rows<Ops::kGroup>(p, t.seg) == 0) return;
+  if (!has_rows<Ops::kGroup>(p, t.seg)) return;
 #pragma unroll
   for (int cw = 0; cw < 2; ++cw, ++it) {
     const int s = it % Ring::kStages;
@@ -463,7 +493,7 @@ __device__ __forceinline__ void add_task_f32(const Params& p, const Ring& sm, co
                                              const Task& t, int cw, const float (&acc)[128], uint32_t& phase,
                                              uint32_t& it, const Scale& scale = Scale{}) {
   constexpr int kStages = Ring::kStages;
-  if (k_rows(p, t.seg) == 0) return;
+  if (!has_rows(p, t.seg)) return;
   const int tid = threadIdx.x % 128;
   const int w = tid / 32, lane = tid % 32;
   const int slot = (it + cw) % kStages;
@@ -505,13 +535,14 @@ __device__ __forceinline__ void add_task_f32(const Params& p, const Ring& sm, co
 
 // ---- host side -----------------------------------------------------------------------------------
 
-inline Params make_params(const int* a_offsets, const int* b_offsets, const int* counts, int nseg, int M, int N,
-                          void* out) {
+inline Params make_params(const int* a_offsets, const int* b_offsets, const int* counts, int nseg, int nparts, int M,
+                          int N, void* out) {
   Params p{};
   p.a_offsets = a_offsets;
   p.b_offsets = b_offsets;
   p.counts = counts;
   p.nseg = nseg;
+  p.nparts = nparts;
   p.M = M;
   p.N = N;
   p.m_blocks = (M + WM - 1) / WM;
