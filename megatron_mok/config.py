@@ -76,7 +76,7 @@ class MoKConfig:
         of a step run their routed weight gradients as one pass that adds the micro-batches' sum
         (formed in fp32) into main_grad, so main_grad is read and written once per group instead of
         once per micro-batch. The earlier micro-batches' operands wait in memory: (2 H + 3 I) bf16
-        a routed row (H + 1.5 I of them a token and top-k slot). Which backwards may wait is the
+        a routed row of the capacity, per layer and micro-batch of the group. Which backwards may wait is the
         caller's (``hold_wgrads``; in Megatron every micro-batch but a step's last). 1 (the
         default): every backward adds its own. Changes the main_grad's rounding (1-8).
     """
