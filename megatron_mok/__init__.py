@@ -21,6 +21,7 @@ from .workspace import (
     MoKKernelStallError,
     MoKPeerTimeoutError,
     MoKWorkspace,
+    check_workspace_errors,
     clear_workspace_cache,
     create_workspace,
     get_workspace,
@@ -31,6 +32,6 @@ __version__ = "0.1.0"
 __all__ = [
     "ROW_ALIGN", "MoKCapacityError", "MoKConfig", "MoKConfigError", "MoKGrads", "MoKInputError",
     "MoKKernelStallError", "MoKPeerTimeoutError", "MoKSchedule", "MoKWorkspace", "backward", "build_schedule",
-    "clear_workspace_cache", "create_workspace", "flush_wgrads", "forward", "get_workspace", "held_wgrads", "mok_moe",
-    "recompute_forward_context",
+    "check_workspace_errors", "clear_workspace_cache", "create_workspace", "flush_wgrads", "forward",
+    "get_workspace", "held_wgrads", "mok_moe", "recompute_forward_context",
 ]

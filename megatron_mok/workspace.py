@@ -557,3 +557,10 @@ def get_workspace(group, device, num_tokens, hidden, topk, num_experts, cfg: MoK
 
 def clear_workspace_cache() -> None:
     _CACHE.clear()
+
+
+def check_workspace_errors(blocking: bool = False) -> None:
+    """``check_errors`` of every cached workspace. Each mok call checks its own workspace; a caller
+    that replays the calls in a CUDA graph (no Python runs) calls this after each replay instead."""
+    for ws in list(_CACHE.values()):
+        ws.check_errors(blocking=blocking)

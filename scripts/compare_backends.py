@@ -31,6 +31,9 @@ Backends: Megatron's --moe-backend choices (mok, alltoall, allgather, hybridep, 
   mok_unfused   mok with --mok-wgrad-accumulation unfused: Megatron's DDP hook adds its bf16 weight
                 gradients into main_grad, as it must for alltoall's experts without TransformerEngine
                 (the like-for-like row where a recipe turns on fused accumulation)
+  mok_graph, mok_fp8_graph   mok and mok_fp8 with Megatron's full-iteration CUDA graph
+                (--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad): each step's
+                forward and backward replay as one graph, so the host launches nothing in between
   (on GPUs the mok variants also get --mok-strict, unless --no-strict: a fallback to the pure-PyTorch
   reference fails the run instead of being timed)
   alltoall_fp8  alltoall with Megatron's FP8 recipe: never run, always reported ``skipped`` with
@@ -120,11 +123,18 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from megatron_mok.tools import logparse  # noqa: E402  (pure python, no torch import)
 
+# Megatron replays each step's forward and backward as one CUDA graph: no host work between kernels.
+# Only a MoE layer without host syncs can be captured (not alltoall's dropless dispatcher); Megatron
+# requires its per-micro-batch NaN check (a host sync) off.
+FULL_ITERATION_GRAPH = ("--cuda-graph-impl", "full_iteration", "--no-check-for-nan-in-loss-and-grad")
+
 # name -> (Megatron --moe-backend, extra Megatron args); None: never run (see not_runnable_reason)
 BACKEND_VARIANTS = {
     "mok": ("mok", []),
     "mok_fp8": ("mok", ["--mok-precision", "fp8"]),
     "mok_unfused": ("mok", ["--mok-wgrad-accumulation", "unfused"]),
+    "mok_graph": ("mok", [*FULL_ITERATION_GRAPH]),
+    "mok_fp8_graph": ("mok", ["--mok-precision", "fp8", *FULL_ITERATION_GRAPH]),
     "alltoall": ("alltoall", []),
     "alltoall_fp8": ("alltoall", None),
     "allgather": ("allgather", []),

@@ -164,6 +164,8 @@ def _fake_entry(tmp_path: Path) -> Path:
         p.add_argument('--mok-param-digest-every', type=int, default=0)
         p.add_argument('--mok-precision', default='bf16'); p.add_argument('--moe-router-dtype', default='fp32')
         p.add_argument('--mok-wgrad-accumulation', default='auto')
+        p.add_argument('--cuda-graph-impl', default='none')
+        p.add_argument('--no-check-for-nan-in-loss-and-grad', dest='nan_check', action='store_false')
         p.add_argument('--deterministic-mode', action='store_true')
         p.add_argument('--profile', action='store_true'); p.add_argument('--tensorboard-dir')
         p.add_argument('--profile-step-start', type=int); p.add_argument('--profile-step-end', type=int)
@@ -178,8 +180,9 @@ def _fake_entry(tmp_path: Path) -> Path:
             drift = int(os.path.exists(mark) and 'FAKE_RERUN_DRIFT' in os.environ)
             open(mark, 'w').close()
         if r == 0:
-            print('FAKE precision=%s deterministic=%s router=%s wgrad=%s' % (
-                a.mok_precision, a.deterministic_mode, a.moe_router_dtype, a.mok_wgrad_accumulation))
+            print('FAKE precision=%s deterministic=%s router=%s wgrad=%s graph=%s nan_check=%s' % (
+                a.mok_precision, a.deterministic_mode, a.moe_router_dtype, a.mok_wgrad_accumulation,
+                a.cuda_graph_impl, a.nan_check))
             print('------------------------ arguments ------------------------')
             for k, v in [('global_batch_size', a.global_batch_size), ('seq_length', a.seq_length), ('world_size', w)]:
                 print('  %s %s %s' % (k, '.' * (48 - len(k)), v))
@@ -405,7 +408,7 @@ def test_compare_rerun_needs_a_listed_backend(tmp_path):
 
 def test_param_digest_sees_every_bit_and_position():
     torch = pytest.importorskip("torch")
-    from megatron_mok.adapter.pretrain import param_digest
+    from megatron_mok.adapter.steps import param_digest
 
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 8)).to(torch.bfloat16)
@@ -447,11 +450,14 @@ def _run_compare(tmp_path, *args, env_extra=None, trace=True):
 
 
 def test_compare_variants_profile_and_megatron_fp8_skip(tmp_path):
-    r, rep, out = _run_compare(tmp_path, "--backends", "mok,mok_fp8,mok_unfused,alltoall,alltoall_fp8", "--iters",
-                               "8", "--warmup", "1", "--profile-iters", "4:5")
+    r, rep, out = _run_compare(tmp_path, "--backends", "mok,mok_fp8,mok_unfused,mok_fp8_graph,alltoall,alltoall_fp8",
+                               "--iters", "8", "--warmup", "1", "--profile-iters", "4:5")
     assert r.returncode == 0, r.stderr
     b = rep["backends"]
-    assert [k for k in b] == ["mok", "mok_fp8", "mok_unfused", "alltoall", "alltoall_fp8"]
+    assert [k for k in b] == ["mok", "mok_fp8", "mok_unfused", "mok_fp8_graph", "alltoall", "alltoall_fp8"]
+    assert "FAKE precision=fp8 deterministic=False router=fp32 wgrad=auto graph=full_iteration nan_check=False" in \
+        (out / "logs" / "mok_fp8_graph.log").read_text()
+    assert "graph=none nan_check=True" in (out / "logs" / "mok.log").read_text()
     assert "FAKE precision=fp8" in (out / "logs" / "mok_fp8.log").read_text()
     assert "FAKE precision=bf16" in (out / "logs" / "mok.log").read_text()
     assert "wgrad=unfused" in (out / "logs" / "mok_unfused.log").read_text()  # after the recipe's flags

@@ -221,6 +221,25 @@ def test_invalid_flags_raise_whatever_the_backend(backend, argv, flag):
         _apply(*extra, *argv)
 
 
+@pytest.mark.parametrize("backend", ["alltoall", "allgather"])
+def test_full_iteration_graph_with_a_syncing_dispatcher_is_refused_at_start_up(backend):
+    from megatron_mok.adapter import backends
+
+    def apply(name, **fields):
+        args = _parse("--moe-backend", name)
+        vars(args).update(cuda_graph_impl="full_iteration", **fields)
+        try:
+            backends.apply_backend(args)
+        finally:
+            backends.set_backend(None)
+        return args
+
+    with pytest.raises(ValueError, match=f"full_iteration cannot capture --moe-backend {backend}"):
+        apply(backend)
+    apply(backend, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)  # drop-and-pad
+    assert apply("mok").moe_token_dispatcher_type == "alltoall"  # mok's layer has no host sync
+
+
 @pytest.mark.parametrize("argv", [("--mok-forward-kernel", "fast"), ("--mok-wgrad-accumulation", "always")])
 def test_invalid_flag_choice_is_rejected_by_the_parser(argv):
     with pytest.raises(SystemExit):

@@ -311,3 +311,32 @@ def test_wgrad_hold_holds_every_microbatch_of_a_step_but_the_last(monkeypatch):
     finally:
         layer_mod.set_mok_config(saved)
 
+
+
+def test_step_hook_reads_mok_errors_after_every_training_step(monkeypatch):
+    """Under a full-iteration CUDA graph no Python of the layers runs: the errors a mok call flags
+    must surface after Megatron's train_step (adapter/steps.py), and the wrap is installed once."""
+    import megatron.training.training as training
+
+    from megatron_mok import MoKCapacityError, MoKConfig, clear_workspace_cache, get_workspace
+    from megatron_mok.adapter import steps
+    from megatron_mok.workspace import ErrorCode
+
+    calls = []
+    monkeypatch.setattr(training, "train_step", lambda fs, di, model, *a, **k: calls.append("step") or "out")
+    monkeypatch.setattr(steps, "maybe_print_digest", lambda model, args: calls.append("digest"))
+    monkeypatch.setattr("megatron.training.get_args", lambda: None)
+    steps.install_step_hooks()
+    step = training.train_step
+    assert getattr(step, "__wrapped_by_mok__", False)
+    steps.install_step_hooks()
+    assert training.train_step is step  # idempotent
+    clear_workspace_cache()
+    try:
+        ws = get_workspace(None, "cpu", 8, 16, 2, 4, MoKConfig())
+        assert step(None, None, [None]) == "out" and calls == ["digest", "step"]
+        ws.errors[ErrorCode.CAPACITY_OVERFLOW] = 99
+        with pytest.raises(MoKCapacityError, match="99 routed rows"):
+            step(None, None, [None])
+    finally:
+        clear_workspace_cache()

@@ -42,9 +42,11 @@ def install() -> None:
 
     from . import cpu_compat, megatron_compat
     from .backends import install_spec_hook
+    from .steps import install_step_hooks
 
     cpu_compat.activate_if_no_gpu()
     install_spec_hook()
+    install_step_hooks()
     megatron_compat.apply()
     if not getattr(arguments.parse_args, "__wrapped_by_mok__", False):
         arguments.parse_args = _wrap_parse_args(arguments.parse_args)

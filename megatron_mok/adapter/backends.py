@@ -210,6 +210,7 @@ def apply_backend(args) -> None:
             fp8.WEIGHT_CACHE.register_optimizer_hook()  # the e4m3 weights follow every step
         args.moe_token_dispatcher_type = "alltoall"
     elif backend in ("alltoall", "allgather"):
+        _check_graph_capturable(args, backend)
         args.moe_token_dispatcher_type = backend
     elif backend == "hybridep":
         _require_deep_ep("HybridEPBuffer", backend)
@@ -219,6 +220,20 @@ def apply_backend(args) -> None:
         _require_deep_ep("Buffer", backend)
         args.moe_token_dispatcher_type = "flex"
         args.moe_flex_dispatcher_backend = "deepep"
+
+
+def _check_graph_capturable(args, backend: str) -> None:
+    """Megatron's dropless alltoall and allgather dispatchers copy token counts to the host in every
+    layer; a full-iteration CUDA graph cannot capture that (it failed in the capture with
+    cudaErrorCapturedEvent at the dispatcher's stream synchronize). Said at start-up, not after the
+    warm-up steps."""
+    dropless = getattr(args, "moe_expert_capacity_factor", None) is None or \
+        not getattr(args, "moe_pad_expert_input_to_capacity", False)
+    if getattr(args, "cuda_graph_impl", None) == "full_iteration" and dropless:
+        raise ValueError(
+            f"--cuda-graph-impl full_iteration cannot capture --moe-backend {backend}: its dropless dispatcher "
+            "copies the token counts to the host in every layer. Use --moe-backend mok (no host syncs), "
+            "or Megatron's drop-and-pad (--moe-expert-capacity-factor with --moe-pad-expert-input-to-capacity)")
 
 
 def _uses_te_grouped_experts(experts_builder) -> bool:

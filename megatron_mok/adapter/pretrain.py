@@ -80,51 +80,10 @@ def _get_batch(data_iterator, vp_stage=None):
     return tuple(batch.get(key) for key in _BATCH_KEYS)
 
 
-# --mok-param-digest-every N: every N iterations (and at the last one) each rank prints a digest of
-# its parameters' bits, so two runs can be checked for bitwise-identical training (it syncs the
-# host, so it is off by default). Any --moe-backend.
-_last_digest_iteration = -1
-
-
-def param_digest(module: torch.nn.Module) -> str:
-    """64-bit digest of every parameter's bits, sensitive to values, positions and parameter order.
-
-    Integer sums (wrapping int64) do not depend on the reduction order, so the digest is itself
-    deterministic; any changed bit changes it (barring a 2**-64 coincidence)."""
-    params = sorted(module.named_parameters(), key=lambda kv: kv[0])
-    dev = params[0][1].device if params else "cpu"
-    total = torch.zeros((), dtype=torch.int64, device=dev)
-    chunk = 1 << 24
-    for i, (_name, p) in enumerate(params):
-        flat = p.detach().reshape(-1)
-        bits = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
-        for start in range(0, bits.numel(), chunk):
-            part = bits[start:start + chunk].to(torch.int64)
-            pos = torch.arange(start + 1, start + 1 + part.numel(), dtype=torch.int64, device=dev)
-            total += (part * pos).sum() * (2 * i + 1)
-    return f"{int(total) & (2**64 - 1):016x}"
-
-
-def _maybe_print_digest(model, args, every: int) -> None:
-    global _last_digest_iteration
-    it = getattr(args, "curr_iteration", None)
-    if it is None or it == _last_digest_iteration or not model.training:
-        return
-    if it % every and it != args.train_iters - 1:
-        return
-    _last_digest_iteration = it
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    print(f"[megatron_mok] param-digest rank={rank} iteration={it} value={param_digest(model)}", flush=True)
-
-
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     from megatron.core.utils import get_attr_wrapped_model
-    from megatron.training import get_args, get_timers
+    from megatron.training import get_timers
 
-    args = get_args()
-    every = getattr(args, "mok_param_digest_every", 0) or 0
-    if every > 0:
-        _maybe_print_digest(model, args, every)
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
     vp_stage = get_attr_wrapped_model(model, "vp_stage")
