@@ -223,17 +223,18 @@ def apply_backend(args) -> None:
 
 
 def _check_graph_capturable(args, backend: str) -> None:
-    """Megatron's dropless alltoall and allgather dispatchers copy token counts to the host in every
-    layer; a full-iteration CUDA graph cannot capture that (it failed in the capture with
-    cudaErrorCapturedEvent at the dispatcher's stream synchronize). Said at start-up, not after the
-    warm-up steps."""
-    dropless = getattr(args, "moe_expert_capacity_factor", None) is None or \
-        not getattr(args, "moe_pad_expert_input_to_capacity", False)
-    if getattr(args, "cuda_graph_impl", None) == "full_iteration" and dropless:
+    """Megatron's alltoall and allgather dispatchers copy token counts to the host in every layer
+    unless they drop and pad to a fixed capacity; a full-iteration CUDA graph cannot capture that (the
+    dropless capture failed with cudaErrorCapturedEvent at the dispatcher's stream synchronize).
+    Said at start-up, not after the warm-up steps."""
+    drop_and_pad = getattr(args, "moe_expert_capacity_factor", None) is not None and \
+        getattr(args, "moe_pad_expert_input_to_capacity", False)
+    if getattr(args, "cuda_graph_impl", None) == "full_iteration" and not drop_and_pad:
         raise ValueError(
-            f"--cuda-graph-impl full_iteration cannot capture --moe-backend {backend}: its dropless dispatcher "
-            "copies the token counts to the host in every layer. Use --moe-backend mok (no host syncs), "
-            "or Megatron's drop-and-pad (--moe-expert-capacity-factor with --moe-pad-expert-input-to-capacity)")
+            f"--cuda-graph-impl full_iteration cannot capture --moe-backend {backend}: unless it drops and pads, "
+            "its dispatcher copies the token counts to the host in every layer. Use --moe-backend mok (no host "
+            "syncs), or Megatron's drop-and-pad (--moe-expert-capacity-factor with "
+            "--moe-pad-expert-input-to-capacity)")
 
 
 def _uses_te_grouped_experts(experts_builder) -> bool:

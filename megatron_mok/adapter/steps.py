@@ -18,8 +18,6 @@ import torch
 
 from ..workspace import check_workspace_errors
 
-_last_digest_iteration = -1
-
 
 def param_digest(module: torch.nn.Module) -> str:
     """64-bit digest of every parameter's bits, sensitive to values, positions and parameter order.
@@ -43,14 +41,12 @@ def param_digest(module: torch.nn.Module) -> str:
 def maybe_print_digest(model, args) -> None:
     """The digest of the first model chunk, every ``--mok-param-digest-every`` iterations and at the
     last one (it syncs the host, so it is off by default). Any --moe-backend."""
-    global _last_digest_iteration
     every = getattr(args, "mok_param_digest_every", 0) or 0
     it = getattr(args, "curr_iteration", None)
-    if every <= 0 or it is None or it == _last_digest_iteration:
+    if every <= 0 or it is None:
         return
     if it % every and it != args.train_iters - 1:
         return
-    _last_digest_iteration = it
     chunk = model[0] if isinstance(model, (list, tuple)) else model
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     print(f"[megatron_mok] param-digest rank={rank} iteration={it} value={param_digest(chunk)}", flush=True)
