@@ -316,17 +316,23 @@ def expert_wgrad(a, a_offsets, b, b_offsets, counts, out, num_ctas: int = 0) -> 
     _ops().expert_wgrad(a, a_offsets, b, b_offsets, counts, out, num_ctas)
 
 
-def quantize_columns_e4m3(x, offsets, counts, x_scale=None, scale_rows: bool = False):
+def empty_columns_e4m3(x, counts):
+    """Uninitialised ``(q_t, scale)`` for ``quantize_columns_e4m3(x, ..., counts)``."""
+    rows, c = x.shape
+    return (torch.empty((c, -(-rows // 16) * 16), dtype=torch.float8_e4m3fn, device=x.device),
+            torch.empty((counts.numel(), c), dtype=torch.float32, device=x.device))
+
+
+def quantize_columns_e4m3(x, offsets, counts, x_scale=None, scale_rows: bool = False, out=None):
     """Expert-segmented rows x ``[rows, C]`` (bf16, or e4m3 with its 128-column scales ``x_scale``:
     ``[C / 128, ld]``, or ``[rows, >= C / 128]`` with scale_rows) -> ``(q_t [C, ld] e4m3, scale [nseg, C]
     fp32)``, the transpose that ``expert_wgrad_fp8`` reads: per expert e and column c, ``scale[e, c] =
     max(amax, 1e-4) / 448`` over the expert's ``counts[e]`` rows from ``offsets[e]`` and ``q_t[c, r] =
     e4m3(x[r, c] / scale[e, c])`` (as ``fp8.quantize_columns``). Each expert's columns of q_t are written
     up to its row count rounded up to 128, inside its segment (rows past the count as zeros; the
-    padded layout's segments, multiples of 128); ``ld`` = rows rounded up to 16."""
-    rows, c = x.shape
-    q_t = torch.empty((c, -(-rows // 16) * 16), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((counts.numel(), c), dtype=torch.float32, device=x.device)
+    padded layout's segments, multiples of 128); ``ld`` = rows rounded up to 16. ``out``: the pair
+    from ``empty_columns_e4m3`` to write (allocated on another stream than the launch's)."""
+    q_t, scale = empty_columns_e4m3(x, counts) if out is None else out
     _ops().quantize_columns_e4m3(x, x_scale, scale_rows, offsets, counts, q_t, scale)
     return q_t, scale
 

@@ -52,7 +52,13 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 class _LateTransposes:
     """The e4m3 weight gradients' operands, transposed on the side stream as soon as each exists,
-    and handed back to the caller's stream right before their GEMM."""
+    and handed back to the caller's stream right before their GEMM.
+
+    No ``record_stream``: a CUDA-graph capture defers the frees of recorded blocks to its end (the
+    fp8 one-GPU proxy's full-iteration capture ran out of memory on them). Ownership stays with the
+    caller's stream instead: the transposes are allocated there before the side stream, which waits
+    for that point, writes them; a source stays referenced until the caller's stream has waited for
+    its transpose."""
 
     def __init__(self, side, main, offsets, counts):
         self.side, self.main, self.offsets, self.counts = side, main, offsets, counts
@@ -61,18 +67,17 @@ class _LateTransposes:
     def start(self, name: str, t: torch.Tensor) -> None:
         if self.side is None:
             return
+        q_t, scale = ops.empty_columns_e4m3(t, self.counts)
         self.side.wait_event(mark())
         with torch.cuda.stream(self.side):
-            self.ready[name] = (*ops.quantize_columns_e4m3(t, self.offsets, self.counts), mark())
-        t.record_stream(self.side)
+            ops.quantize_columns_e4m3(t, self.offsets, self.counts, out=(q_t, scale))
+            self.ready[name] = (q_t, scale, mark(), t)
 
     def take(self, name: str, t: torch.Tensor):
         if name not in self.ready:
             return ops.quantize_columns_e4m3(t, self.offsets, self.counts)
-        q_t, scale, ready = self.ready.pop(name)
-        self.main.wait_event(ready)
-        q_t.record_stream(self.main)
-        scale.record_stream(self.main)
+        q_t, scale, ready, _source = self.ready.pop(name)
+        self.main.wait_event(ready)  # from here the caller's stream may free the source
         return q_t, scale
 
 
@@ -147,19 +152,20 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx: KernelCo
         gq, gs = ops.empty_rows_e4m3(cap, H, ws.device)
     main = torch.cuda.current_stream(ws.device)
     side = side_stream(ws.device) if shared_fc1 is not None or wgrad8 else None
+    shared = main_s1 = main_s2 = None
+    if shared_fc1 is not None:  # the side stream's outputs belong to this stream (comm.join)
+        main_s1 = fused_main_grad(main_grads, 2, shared_fc1.shape, ws.device)
+        main_s2 = fused_main_grad(main_grads, 3, shared_fc2.shape, ws.device)
+        shared = experts.shared_backward_out(g, shared_fc1, main_s1, main_s2)
     before_pull = mark(side)
     ops.bwd_pull(sched.row_src_rank, sched.row_src_slot, offsets, g_rows, row_w, g_ptrs, p_ptrs, k, comm_ctas,
                  q=gq, q_scale=gs)
 
     # 3. side stream: the shared expert
-    shared = None
     if shared_fc1 is not None:
         side.wait_event(before_pull)
         with torch.cuda.stream(side):
-            shared = experts.shared_backward(
-                ws, ctx, g, x, shared_fc1, shared_fc2,
-                fused_main_grad(main_grads, 2, shared_fc1.shape, ws.device),
-                fused_main_grad(main_grads, 3, shared_fc2.shape, ws.device))
+            experts.shared_backward(ws, ctx, g, x, shared_fc1, shared_fc2, main_s1, main_s2, out=shared)
     late8 = _LateTransposes(side, main, offsets, counts)
     if wgrad8:
         late8.start("dy", g_rows)
@@ -193,7 +199,7 @@ def backward(cfg: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx: KernelCo
     # 5. close the barrier; fixed-order slot sum + shared dx; dprobs out of the symmetric buffer
     dsfc1 = dsfc2 = shared_dx = None
     if side is not None:
-        join(main, side, shared or ())
+        join(main, side)
     if shared_fc1 is not None:
         dsfc1, dsfc2, shared_dx = shared
     ops.bwd_epilogue_wait(slots, dwbuf, shared_dx, dx, dprobs, c.state, ws.errors, c.flag_ptrs, ws.rank,

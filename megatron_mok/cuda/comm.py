@@ -203,9 +203,10 @@ def mark(wanted=True) -> torch.cuda.Event | None:
     return ev
 
 
-def join(main: torch.cuda.Stream, side: torch.cuda.Stream, tensors) -> None:
-    """``main`` waits for ``side``; the side stream's tensors are used on ``main`` from here on."""
+def join(main: torch.cuda.Stream, side: torch.cuda.Stream) -> None:
+    """``main`` waits for everything launched on ``side`` so far.
+
+    The side stream's work writes only tensors allocated on ``main`` (before the side waited for
+    that point) and reads tensors that ``main`` frees only after this join: no ``record_stream``,
+    whose frees a CUDA-graph capture defers to its end."""
     main.wait_stream(side)
-    for t in tensors:
-        if t is not None:
-            t.record_stream(main)

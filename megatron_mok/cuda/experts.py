@@ -63,14 +63,22 @@ def shared_e4m3(cfg: MoKConfig, ws: MoKWorkspace, shared_fc1, shared_fc2=None, f
 # ---- forward ------------------------------------------------------------------------------------
 
 
-def shared_gate_up(ws: MoKWorkspace, x, shared_fc1, keep_gate_up: bool, gemm_ctas: int = 0, seg=None, w8=None):
+def shared_gate_up_out(x, shared_fc1, keep_gate_up: bool):
+    """Uninitialised (shared_act, shared_h or None) for ``shared_gate_up``."""
+    T, bf16 = x.shape[0], dict(dtype=torch.bfloat16, device=x.device)
+    return (torch.empty((T, shared_fc1.shape[0] // 2), **bf16),
+            torch.empty((T, shared_fc1.shape[0]), **bf16) if keep_gate_up else None)
+
+
+def shared_gate_up(ws: MoKWorkspace, x, shared_fc1, keep_gate_up: bool, gemm_ctas: int = 0, seg=None, w8=None,
+                   out=None):
     """The shared expert's gate/up GEMM with SwiGLU: (shared_act [T, Is], shared_h [T, 2 Is] or None).
     seg (``shared_e4m3``): on e4m3 operands (x as ``publish_e4m3`` quantized it), one segment of T
-    rows; h is then always kept."""
-    T = x.shape[0]
-    bf16 = dict(dtype=torch.bfloat16, device=x.device)
-    shared_act = torch.empty((T, shared_fc1.shape[0] // 2), **bf16)
-    shared_h = torch.empty((T, shared_fc1.shape[0]), **bf16) if keep_gate_up or seg is not None else None
+    rows; h is then always kept. ``out``: ``shared_gate_up_out``'s pair to write (the caller's stream
+    owns them when this runs on the side stream)."""
+    shared_act, shared_h = out if out is not None else shared_gate_up_out(x, shared_fc1, keep_gate_up or seg is not None)
+    if seg is not None and shared_h is None:
+        raise ValueError("shared_gate_up on e4m3 operands keeps h: out needs shared_h")
     if seg is not None:
         xq, xs = published_x_e4m3(ws)
         ops.expert_gemm_fp8(xq, xs, w8.q, w8.scale, seg[:2], seg[2:], shared_act, True, pre_out=shared_h,
@@ -80,11 +88,12 @@ def shared_gate_up(ws: MoKWorkspace, x, shared_fc1, keep_gate_up: bool, gemm_cta
     return shared_act, shared_h
 
 
-def shared_down(shared_act, shared_fc2, gemm_ctas: int = 0, seg=None, w8=None) -> torch.Tensor:
-    """The shared expert's down GEMM: shared_y [T, H]; seg: on e4m3 operands (``shared_gate_up``)."""
+def shared_down(shared_act, shared_fc2, gemm_ctas: int = 0, seg=None, w8=None, out=None) -> torch.Tensor:
+    """The shared expert's down GEMM: shared_y [T, H] (into ``out`` if given); seg: on e4m3 operands
+    (``shared_gate_up``)."""
     shared_fc2 = shared_fc2.contiguous()
-    shared_y = torch.empty((shared_act.shape[0], shared_fc2.shape[0]), dtype=torch.bfloat16,
-                           device=shared_act.device)
+    shared_y = out if out is not None else torch.empty((shared_act.shape[0], shared_fc2.shape[0]),
+                                                       dtype=torch.bfloat16, device=shared_act.device)
     if seg is not None:
         aq, as_ = ops.quantize_rows_e4m3(shared_act)
         ops.expert_gemm_fp8(aq, as_, w8.q, w8.scale, seg[:2], seg[2:], shared_y, False, num_ctas=gemm_ctas)
@@ -155,27 +164,36 @@ def fc1_dgrad_fp8(w8, dhq, dhs, offsets, counts, dx_rows, push) -> None:
     ops.expert_gemm_fp8(dhq, dhs, w8.fc1_t.q, w8.fc1_t.scale, offsets, counts, dx_rows, False, push=push)
 
 
+def shared_backward_out(g, shared_fc1, main_fc1=None, main_fc2=None):
+    """Uninitialised (dsfc1 or None, dsfc2 or None, shared_dx) for ``shared_backward``: a weight
+    gradient added into its main grad has no buffer."""
+    T, H, Is = g.shape[0], g.shape[1], shared_fc1.shape[0] // 2
+    bf16 = dict(dtype=torch.bfloat16, device=g.device)
+    return (None if main_fc1 is not None else torch.empty((2 * Is, H), **bf16),
+            None if main_fc2 is not None else torch.empty((H, Is), **bf16),
+            torch.empty((T, H), **bf16))
+
+
 def shared_backward(ws: MoKWorkspace, ctx: KernelContext, g, x, shared_fc1, shared_fc2, main_fc1=None,
-                    main_fc2=None):
+                    main_fc2=None, out=None):
     """(dsfc1, dsfc2, shared_dx) of the shared expert on the expert-major GEMMs, the shared expert
     being one segment of T rows; its SwiGLU output comes back from the down dgrad's epilogue.
     ``main_fc1`` / ``main_fc2``: fp32 contiguous main grads of the weights' shapes that the weight
-    gradients are added into (that entry comes back None), or None."""
+    gradients are added into (that entry comes back None), or None. ``out``: ``shared_backward_out``'s
+    buffers to write (the caller's stream owns them when this runs on the side stream)."""
     shared_fc1, shared_fc2 = shared_fc1.contiguous(), shared_fc2.contiguous()
     T, H, Is = g.shape[0], g.shape[1], shared_fc1.shape[0] // 2
     seg = comm(ws).shared_seg
     offs, count = seg[:2], seg[2:]
     bf16 = dict(dtype=torch.bfloat16, device=g.device)
+    dsfc1, dsfc2, shared_dx = out if out is not None else shared_backward_out(g, shared_fc1, main_fc1, main_fc2)
     hs = ctx.shared_h if ctx.shared_h is not None else recompute_gate_up(x, shared_fc1, None)
     dhs = torch.empty((T, 2 * Is), **bf16)
     shared_act = torch.empty((T, Is), **bf16)
     ops.expert_dgrad(g, shared_fc2.view(1, H, Is), offs, count, dhs, h=hs, act=shared_act)
     del hs
-    shared_dx = torch.empty((T, H), **bf16)
     ops.expert_dgrad(dhs, shared_fc1.view(1, 2 * Is, H), offs, count, shared_dx)
-    dsfc2 = main_fc2.view(1, H, Is) if main_fc2 is not None else torch.empty((1, H, Is), **bf16)
-    ops.expert_wgrad(g, offs, shared_act, offs, count, dsfc2)
+    ops.expert_wgrad(g, offs, shared_act, offs, count, (main_fc2 if dsfc2 is None else dsfc2).view(1, H, Is))
     del shared_act
-    dsfc1 = main_fc1.view(1, 2 * Is, H) if main_fc1 is not None else torch.empty((1, 2 * Is, H), **bf16)
-    ops.expert_wgrad(dhs, offs, x, offs, count, dsfc1)
-    return (None if main_fc1 is not None else dsfc1[0]), (None if main_fc2 is not None else dsfc2[0]), shared_dx
+    ops.expert_wgrad(dhs, offs, x, offs, count, (main_fc1 if dsfc1 is None else dsfc1).view(1, 2 * Is, H))
+    return dsfc1, dsfc2, shared_dx

@@ -68,7 +68,10 @@ def _forward_staged(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, 
     push = comb_ptrs if cfg.precision == "fp8" else None  # fp8: the down GEMM's epilogue combines
     main = torch.cuda.current_stream(ws.device)
     side = side_stream(ws.device) if shared_fc1 is not None else None
-    shared, shared_w8 = [], []
+    shared, shared_w8, shared_y = [], [], None
+    if side is not None:  # the side stream's outputs belong to this stream (comm.join)
+        shared.extend(experts.shared_gate_up_out(x, shared_fc1, keep))
+        shared_y = torch.empty((ws.num_tokens, ws.hidden), dtype=torch.bfloat16, device=ws.device)
 
     # The communication kernels are launched first and the side stream's GEMMs right after, waiting
     # on an event from just before them: the GPU gives the communication its CTAs first.
@@ -76,7 +79,7 @@ def _forward_staged(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, 
         side.wait_event(started)
         with torch.cuda.stream(side):
             shared_w8.extend(experts.shared_e4m3(cfg, ws, shared_fc1, shared_fc2, fp8_weights))
-            shared.extend(experts.shared_gate_up(ws, x, shared_fc1, keep, gemm_ctas, *shared_w8[:2]))
+            experts.shared_gate_up(ws, x, shared_fc1, keep, gemm_ctas, *shared_w8[:2], out=shared)
 
     h, y_routed = _dispatch_and_experts(cfg, ws, sched, x, fc1, fc2, keep_gate_up=cfg.save_gate_up,
                                         gemm_ctas=gemm_ctas, comm_ctas=comm_ctas, fp8_weights=fp8_weights,
@@ -85,16 +88,15 @@ def _forward_staged(cfg, ws, sched, x, probs, fc1, fc2, shared_fc1, shared_fc2, 
     routed_done = mark(side if push is None else None)
     if push is None:
         combine.push_rows(ws, sched, y_routed, comb_ptrs, comm_ctas)
-    shared_y = None
     if side is not None:
         if routed_done is not None:
             side.wait_event(routed_done)
         with torch.cuda.stream(side):
-            shared_y = experts.shared_down(shared[0], shared_fc2, gemm_ctas, shared_w8[0], shared_w8[2])
+            experts.shared_down(shared[0], shared_fc2, gemm_ctas, shared_w8[0], shared_w8[2], out=shared_y)
         ctx.shared_h = shared[1]
     combine.barrier(cfg, ws)
     if side is not None:
-        join(main, side, (*shared, shared_y))
+        join(main, side)
     if out is None:
         out = torch.empty((ws.num_tokens, ws.hidden), dtype=torch.bfloat16, device=ws.device)
     combine.epilogue(cfg, ws, comb, probs, shared_y, out, opened=False)

@@ -573,6 +573,47 @@ def test_fp8_forward_cuda_graph_and_backward(fp8_dgrad, fp8_wgrad):
     ws.check_errors(blocking=True)
 
 
+def test_captured_layers_hand_buffers_between_streams_without_deferred_frees():
+    """The side stream's buffers (the shared expert's outputs, the e4m3 weight gradients' transposes)
+    go back to the pool inside a CUDA-graph capture: no record_stream, whose frees a capture defers to
+    its end (the fp8 one-GPU proxy's full-iteration graph ran out of memory on them). Capturing four
+    fp8 forwards and backwards in one graph reserves about what capturing one does, and replays the
+    eager bits."""
+    shape = (2048, 1024, 512, 512, 8, 8)
+    cfg = MoKConfig(precision="fp8", fp8_dgrad=True, fp8_wgrad=True)
+    cfg, ws, top, inputs, _ = make_case(shape, "random", 13, DEV, cfg)
+    kp = _kp()
+    w8 = functional.quantize_expert_weights(inputs[2], inputs[3], transposed=True)
+    grad = torch.randn(shape[:2], generator=torch.Generator().manual_seed(4)).bfloat16().to(DEV)
+
+    def layer():
+        sched = kp.build_schedule(cfg, ws, top)
+        out, ctx = kp.forward(cfg, ws, sched, *inputs, fp8_weights=w8)
+        return [out, *grads_list(functional.backward(cfg, ws, sched, ctx, grad, *inputs, fp8_weights=w8))]
+
+    eager = eager_before_capture(layer)
+    grown = {}
+    for calls in (1, 4):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls - 1):
+                layer()
+            last = layer()
+        torch.cuda.synchronize()
+        grown[calls] = torch.cuda.memory_reserved() - before
+        for t in last:
+            if t is not None:
+                t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitwise(last, eager, f"replay of {calls} captured layers")
+        del graph, last
+        torch.cuda.empty_cache()
+    assert grown[4] <= grown[1] + (64 << 20), f"capture reserved {grown} bytes for 1 / 4 layers"
+
+
 def test_fp8_pull_quantizes_dy_like_the_row_quantizer(monkeypatch):
     """The fp8 dgrad's dy operand comes from the pull (quantized on the way): the same bytes and
     scales as quantize_rows_e4m3 on the pulled dy, padding rows included."""
