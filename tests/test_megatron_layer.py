@@ -340,3 +340,36 @@ def test_step_hook_reads_mok_errors_after_every_training_step(monkeypatch):
             step(None, None, [None])
     finally:
         clear_workspace_cache()
+
+
+def test_entry_point_switches_megatron_torch_adam_to_the_fused_kernel():
+    """Megatron's wrappers (chained, mixed precision) hold torch optimizers; each Adam/AdamW gets the
+    fused kernel, with its step counters as the fused kernel keeps them, and the update is Adam's."""
+    from types import SimpleNamespace
+
+    from megatron_mok.adapter.pretrain import use_fused_torch_adam
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(33)) for _ in range(3)]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    adamw = torch.optim.AdamW(params[:2], lr=1e-2, weight_decay=0.1)
+    adam = torch.optim.Adam(params[2:], lr=1e-2)
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    chained = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=o) for o in (adamw, adam, sgd)])
+    for p, t in zip(params, twins):
+        p.grad = torch.randn_like(p)
+        t.grad = p.grad.clone()
+    adamw.step()  # a step before the switch: its counter must move to what the fused kernel reads
+    assert use_fused_torch_adam(chained) == 2
+    assert all(g["fused"] and not g["foreach"] for o in (adamw, adam) for g in o.param_groups)
+    assert "fused" not in sgd.param_groups[0] or not sgd.param_groups[0].get("fused")
+    adamw.step()
+    adam.step()
+    ref_w = torch.optim.AdamW(twins[:2], lr=1e-2, weight_decay=0.1, foreach=False)
+    ref = torch.optim.Adam(twins[2:], lr=1e-2, foreach=False)
+    for _ in range(2):
+        ref_w.step()
+    ref.step()
+    for p, t in zip(params, twins):
+        torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-7)
+    assert all(s["step"].dtype == torch.float32 and float(s["step"]) == 2 for s in adamw.state.values())

@@ -60,6 +60,8 @@ def test_tiny_training_with_mok_loss_falls(tmp_path):
     # Both decoder MoE layers and the MTP layer's MoE run mok.
     built = re.findall(r"\[megatron_mok\] MoE (decoder layer|MTP layer): --moe-backend mok, 4 local experts x EP 2", log)
     assert sorted(built) == ["MTP layer", "decoder layer", "decoder layer"], built
+    # No TransformerEngine or apex here: Megatron's torch Adam runs the fused kernel (pretrain.py).
+    assert "Megatron's torch Adam runs torch's fused kernel" in log
 
 
 def _params_from_checkpoint(ckpt_dir: Path, iteration: int, out: Path) -> dict:
