@@ -595,6 +595,7 @@ def test_captured_layers_hand_buffers_between_streams_without_deferred_frees():
     grown = {}
     for calls in (1, 4):
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # as torch.cuda.graph does on entry: only the graph's pool counts
         before = torch.cuda.memory_reserved()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
