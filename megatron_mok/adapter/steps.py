@@ -1,9 +1,6 @@
 """What runs once per training step, around Megatron's ``train_step`` (installed by ``install()``).
 
-* Before the step: ``--mok-param-digest-every N`` prints a digest of the parameters' bits; before
-  the step that captures Megatron's full-iteration CUDA graph, the caching allocator's free blocks
-  go back to the driver (the graph's private pool cannot reuse them: without this the fp8 proxy
-  ran out of memory in the capture, with 12.4 GiB reserved and unused).
+* Before the step: ``--mok-param-digest-every N`` prints a digest of the parameters' bits.
 * After the step: mok's device error flags are read (``check_workspace_errors``, sync-free). Each
   mok call reads them itself in eager steps; under ``--cuda-graph-impl full_iteration`` the step's
   forward and backward replay as one CUDA graph, in which no Python of the layers runs.
@@ -12,7 +9,6 @@
 from __future__ import annotations
 
 import functools
-import gc
 
 import torch
 
@@ -52,26 +48,12 @@ def maybe_print_digest(model, args) -> None:
     print(f"[megatron_mok] param-digest rank={rank} iteration={it} value={param_digest(chunk)}", flush=True)
 
 
-def release_cache_before_graph_capture(args) -> None:
-    """``--cuda-graph-impl full_iteration``: empty the allocator's cache before the capturing step."""
-    if getattr(args, "cuda_graph_impl", None) != "full_iteration" or not torch.cuda.is_available():
-        return
-    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
-
-    if FullCudaGraphWrapper.cuda_graph["training"] is None and \
-            FullCudaGraphWrapper.curr_iteration["training"] == args.cuda_graph_warmup_steps:
-        gc.collect()
-        torch.cuda.empty_cache()
-
-
 def _wrap_train_step(original):
     @functools.wraps(original)
     def train_step(forward_step_func, data_iterator, model, *args, **kwargs):
         from megatron.training import get_args
 
-        megatron_args = get_args()
-        maybe_print_digest(model, megatron_args)
-        release_cache_before_graph_capture(megatron_args)
+        maybe_print_digest(model, get_args())
         out = original(forward_step_func, data_iterator, model, *args, **kwargs)
         check_workspace_errors()
         return out

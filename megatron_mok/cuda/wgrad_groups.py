@@ -72,16 +72,14 @@ class Part:
             self.dh = torch.empty((cap, 2 * inter), **bf16)
             self.x_rows = None  # regather's own tensor
 
-    def finish(self, offsets: torch.Tensor, counts: torch.Tensor, hold: bool) -> bool:
-        """Add this part to its group: returns True when the group's weight gradients ran (this part
-        closed it), False when they are held for a later backward on the same main grads."""
+    def finish(self, offsets: torch.Tensor, counts: torch.Tensor, hold: bool) -> None:
+        """Add this part to its group, and run the group's weight gradients unless this part may wait
+        (``hold``) and the group has room for a later backward's on the same main grads."""
         group = self.group
         group.offsets.append(offsets)
         group.counts.append(counts)
-        if hold and len(group.offsets) < group.size:
-            return False
-        _run(_GROUPS.pop(_key(group.main1, group.main2)))
-        return True
+        if not hold or len(group.offsets) == group.size:
+            _run(_GROUPS.pop(_key(group.main1, group.main2)))
 
 
 def _run(group: _Group) -> None:
