@@ -247,7 +247,7 @@ __device__ __forceinline__ void mma_task(const Params& p, const Ring& sm, int cw
     wgmma_wait<0>();
     if (prev >= 0) gemm::release_stage<false>(sm.empty(prev));
     if (tail > 0) {
-      if (!flown) {  // no full stage in the task: an expert without rows loads nothing
+      if (!flown) {  // the flight stage lies in a later part, or there is none; an expert without rows loads nothing
         in_flight();
         flown = true;
       }
