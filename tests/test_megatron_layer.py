@@ -312,7 +312,6 @@ def test_wgrad_hold_holds_every_microbatch_of_a_step_but_the_last(monkeypatch):
         layer_mod.set_mok_config(saved)
 
 
-
 def test_step_hook_reads_mok_errors_after_every_training_step(monkeypatch):
     """Under a full-iteration CUDA graph no Python of the layers runs: the errors a mok call flags
     must surface after Megatron's train_step (adapter/steps.py), and the wrap is installed once."""
