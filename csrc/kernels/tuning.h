@@ -16,6 +16,9 @@ constexpr int kGemmStages = 4;
 // Expert-major bf16 GEMM (xgemm::, the routed experts and the megakernel): 4 stages of 48 KB, the
 // most that fit next to the epilogue's staging tiles.
 constexpr int kExpertGemmStages = 4;
+// The bf16 down dgrad with the SwiGLU backward handed off to epilogue warps (xgemm::HandoffSmem):
+// 3 stages, the fourth stage's room holds the 72 KB da tile.
+constexpr int kSwiGLUBwdStages = 3;
 // e4m3 column tasks (xgemm8::, the routed gate/up GEMM): 4 stages of 48 KB of operands, the most
 // that fit next to the staging tiles and the token scales.
 constexpr int kE4m3ColumnStages = 4;
@@ -39,10 +42,26 @@ constexpr int kE4m3RowTaskTokens = 128;
 // pair bookkeeping and the megakernel's pusher warps), the consumers take 224 for 128 accumulators.
 constexpr int kProducerRegs = 56;
 constexpr int kConsumerRegs = 224;
+// The bf16 down dgrad's epilogue warps (the producer warpgroup) run the SwiGLU backward with three
+// pieces' loads in flight: 120 registers (112 spilled); its consumers only stage da, in 192.
+constexpr int kEpilogueWarpRegs = 120;
+constexpr int kHandoffConsumerRegs = 192;
+// setmaxnreg only moves registers between the warpgroups of a 384-thread CTA, launched at 168 a thread
+// (65536 / 384, a multiple of 8): the consumers' increase must come out of the producer's decrease,
+// or their setmaxnreg waits forever.
+constexpr int kRegsAtLaunch = 168;
+static_assert(kProducerRegs + 2 * kConsumerRegs <= 3 * kRegsAtLaunch, "setmaxnreg split");
+static_assert(kEpilogueWarpRegs + 2 * kHandoffConsumerRegs <= 3 * kRegsAtLaunch, "setmaxnreg split");
+// Pieces (8 columns of a token row) an epilogue thread has its global loads in flight for, ahead of
+// the one it computes: the down dgrad at the one-GPU proxy's T=2048 ran 1.16 ms with none, 1.08
+// with one and with three (three in the run that measured the layer against the consumers'
+// epilogue, docs/DESIGN.md section 8).
+constexpr int kSwiGLUBwdPiecesAhead = 3;
 // e4m3 GEMMs: two register sets (128 sums + 64 block sums) need 240 a consumer thread; the
 // producer then has 24 (56 / 224 spilled).
 constexpr int kE4m3ProducerRegs = 24;
 constexpr int kE4m3ConsumerRegs = 240;
+static_assert(kE4m3ProducerRegs + 2 * kE4m3ConsumerRegs <= 3 * kRegsAtLaunch, "setmaxnreg split");
 
 // ---- the persistent forward megakernel --------------------------------------------------------------
 

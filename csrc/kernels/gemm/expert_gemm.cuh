@@ -77,6 +77,7 @@ constexpr int kOffBarriers = kOffStaging + 2 * kStageBytesPerWG;
 
 struct Smem {
   static constexpr int kStages = xgemm::kStages;
+  static constexpr int kBytes = kSmemBytes;
   uint8_t* base;
   __device__ __forceinline__ uint8_t* w(int s) const { return base + s * kWBytes; }
   __device__ __forceinline__ uint8_t* x(int s) const { return base + kStages * kWBytes + s * kXBytes; }
@@ -87,8 +88,9 @@ struct Smem {
   __device__ __forceinline__ uint64_t* empty(int s) const { return full(kStages + s); }
 };
 
-__device__ __forceinline__ Smem carve_smem(uint8_t* raw) {
-  return Smem{reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023))};
+template <class Layout = Smem>
+__device__ __forceinline__ Layout carve_smem(uint8_t* raw) {
+  return Layout{reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023))};
 }
 
 // Token chunks of an expert's rows: tasks of at most kChunk rows (256; the e4m3 GEMM's 128).
@@ -545,10 +547,11 @@ __device__ __forceinline__ void flush_staging(uint32_t stg, int cols, __nv_bfloa
 
 // +0 into rows [r0, r1) of dst's columns col0 .. col0 + cols (those < n_cols): a segment's padding
 // rows, as the token-major GEMM leaves them (its padding rows of A are zero).
+// tid / nthreads: this thread among the threads that share the rows (default: a warpgroup).
 __device__ __forceinline__ void zero_rows(__nv_bfloat16* dst, int64_t ld, int r0, int r1, int col0, int cols,
-                                          int n_cols) {
+                                          int n_cols, int tid = threadIdx.x % 128, int nthreads = 128) {
   const int vecs = cols / 8;
-  for (int idx = threadIdx.x % 128; idx < (r1 - r0) * vecs; idx += 128) {
+  for (int idx = tid; idx < (r1 - r0) * vecs; idx += nthreads) {
     const int col = col0 + 8 * (idx % vecs);
     if (col < n_cols) st16(dst + static_cast<int64_t>(r0 + idx / vecs) * ld + col, make_uint4(0, 0, 0, 0));
   }
@@ -697,58 +700,85 @@ __device__ __forceinline__ void store_pair_block_e4m3(const PairBlockE4m3& e4, u
   if (piece == 0) e4.scale[static_cast<int64_t>(kb) * e4.ld + r] = si.x;
 }
 
-// A staged [64 tokens][64 columns] slice of da (bf16-rounded, as an unfused da would be) through
-// the SwiGLU backward, each 8-column piece of a token row by one lane (the 8 pieces of a row on 8
-// consecutive lanes, which sum its dot piece by a fixed butterfly). kE4m3: dh's e4m3 copy too
-// (store_pair_block_e4m3). Shared by the bf16 dgrad (store_task_swiglu_bwd) and the e4m3 row tasks.
-template <bool kE4m3 = false>
-__device__ __forceinline__ void flush_swiglu_bwd(const Params& p, uint32_t stg, const SwiGLUBwd& bw, int row0,
-                                                 int col0, int n_real, int bar, const PairBlockE4m3& e4 = {}) {
+// One 8-column piece of a token row of da through the SwiGLU backward, in two steps, so a loop can
+// issue later pieces' global loads before this one's arithmetic: its global inputs
+// (load_swiglu_bwd_piece), then, with its da from shared memory (bf16-rounded, as an unfused da
+// would be), its outputs (swiglu_bwd_piece).
+struct SwiGLUBwdPiece {
+  uint4 g, u;  // the gate and up pre-activations
+  float w;     // the row's router weight
+};
+
+// Row r, columns col .. col + 7; not live: +0 (into the shuffles).
+__device__ __forceinline__ SwiGLUBwdPiece load_swiglu_bwd_piece(const Params& p, const SwiGLUBwd& bw, int r, int col,
+                                                                bool live) {
+  SwiGLUBwdPiece in{make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), 1.f};
+  if (live) {
+    const int64_t ld = 2 * static_cast<int64_t>(p.N);
+    in.g = ld16(bw.h + r * ld + col);
+    in.u = ld16(bw.h + r * ld + p.N + col);
+    if (bw.row_w != nullptr) in.w = bw.row_w[r];
+  }
+  return in;
+}
+
+// The piece's outputs: row r, columns col0 + 8 piece .. + 7 of the 64-column slice col0; row_real: r
+// is a real row. The 8 pieces of a row sit on 8 consecutive lanes, which sum its dot piece by a
+// fixed butterfly. kE4m3: dh's e4m3 copy too (store_pair_block_e4m3).
+template <bool kE4m3>
+__device__ __forceinline__ void swiglu_bwd_piece(const Params& p, const SwiGLUBwd& bw, const SwiGLUBwdPiece& in,
+                                                 uint4 da, int r, int col0, int piece, bool row_real,
+                                                 const PairBlockE4m3& e4) {
   const int64_t ld = 2 * static_cast<int64_t>(p.N);
   const bool lanes_meet = kE4m3 || bw.dot != nullptr;  // every lane goes on to the shuffles
   const bool need_act = bw.act != nullptr || bw.dot != nullptr;
+  const int col = col0 + 8 * piece;
+  const bool live = row_real && col < p.N;
+  if (!lanes_meet && !live) return;  // warp-uniform: lanes_meet is
+  float g[8], u[8], d[8], dg[8], du[8];
+  const float w = in.w;
+  unpack8(in.g, g);
+  unpack8(in.u, u);
+  unpack8(da, d);
+  if (need_act) {
+    float a[8], dot = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      a[j] = swiglu(g[j], u[j]);
+      dot = __fadd_rn(dot, __fmul_rn(d[j], a[j]));
+      a[j] = __fmul_rn(w, a[j]);
+    }
+    if (bw.act != nullptr && live) st16(bw.act + static_cast<int64_t>(r) * p.N + col, pack8(a));
+    if (bw.dot != nullptr) {
+#pragma unroll
+      for (int off = 1; off < 8; off *= 2) dot = __fadd_rn(dot, __shfl_xor_sync(0xffffffffu, dot, off));
+      // a slice past the last column (N not a multiple of 128) has no piece of its own
+      if (piece == 0 && row_real && col0 < p.N) bw.dot[static_cast<int64_t>(r) * bw.dot_ld + col0 / 64] = dot;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) swiglu_grad(g[j], u[j], __fmul_rn(w, d[j]), dg[j], du[j]);
+  const uint4 dg16 = pack8(dg), du16 = pack8(du);
+  if (live) {
+    __nv_bfloat16* dst = p.out + r * ld + col;
+    st16(dst, dg16);
+    st16(dst + p.N, du16);
+  }
+  if constexpr (kE4m3) store_pair_block_e4m3(e4, dg16, du16, live, e4.q + r * ld, r, col0 / 64, piece);
+}
+
+// A warpgroup's staged [64 tokens][64 columns] slice of da through the SwiGLU backward (the e4m3
+// row tasks' epilogue), between two barriers of the warpgroup (the staging tile is reused).
+template <bool kE4m3 = false>
+__device__ __forceinline__ void flush_swiglu_bwd(const Params& p, uint32_t stg, const SwiGLUBwd& bw, int row0,
+                                                 int col0, int n_real, int bar, const PairBlockE4m3& e4 = {}) {
   warpgroup_bar_sync(bar);
   for (int idx = threadIdx.x % 128; idx < 64 * 8; idx += 128) {
     const int c = idx / 8, piece = idx % 8, col = col0 + 8 * piece;
     const bool live = c < n_real && col < p.N;
-    if (!lanes_meet && !live) continue;  // warp-uniform: lanes_meet is
-    const int r = row0 + c;
-    float g[8], u[8], d[8], dg[8], du[8];
-    float w = 1.f;
-    if (live) {
-      unpack8(ld16(bw.h + r * ld + col), g);
-      unpack8(ld16(bw.h + r * ld + p.N + col), u);
-      unpack8(ld_shared_v4(stg + 2 * (c * kStageStride + 8 * piece)), d);
-      if (bw.row_w != nullptr) w = bw.row_w[r];
-    } else {  // zeros into the shuffles
-#pragma unroll
-      for (int j = 0; j < 8; ++j) g[j] = u[j] = d[j] = 0.f;
-    }
-    if (need_act) {
-      float a[8], dot = 0.f;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        a[j] = swiglu(g[j], u[j]);
-        dot = __fadd_rn(dot, __fmul_rn(d[j], a[j]));
-        a[j] = __fmul_rn(w, a[j]);
-      }
-      if (bw.act != nullptr && live) st16(bw.act + static_cast<int64_t>(r) * p.N + col, pack8(a));
-      if (bw.dot != nullptr) {
-#pragma unroll
-        for (int off = 1; off < 8; off *= 2) dot = __fadd_rn(dot, __shfl_xor_sync(0xffffffffu, dot, off));
-        // a slice past the last column (N not a multiple of 128) has no piece of its own
-        if (piece == 0 && c < n_real && col0 < p.N) bw.dot[static_cast<int64_t>(r) * bw.dot_ld + col0 / 64] = dot;
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) swiglu_grad(g[j], u[j], __fmul_rn(w, d[j]), dg[j], du[j]);
-    const uint4 dg16 = pack8(dg), du16 = pack8(du);
-    if (live) {
-      __nv_bfloat16* dst = p.out + r * ld + col;
-      st16(dst, dg16);
-      st16(dst + p.N, du16);
-    }
-    if constexpr (kE4m3) store_pair_block_e4m3(e4, dg16, du16, live, e4.q + r * ld, r, col0 / 64, piece);
+    const SwiGLUBwdPiece in = load_swiglu_bwd_piece(p, bw, row0 + c, col, live);
+    const uint4 da = live ? ld_shared_v4(stg + 2 * (c * kStageStride + 8 * piece)) : make_uint4(0, 0, 0, 0);
+    swiglu_bwd_piece<kE4m3>(p, bw, in, da, row0 + c, col0, piece, c < n_real, e4);
   }
   warpgroup_bar_sync(bar);
 }
@@ -756,33 +786,104 @@ __device__ __forceinline__ void flush_swiglu_bwd(const Params& p, uint32_t stg, 
 // The padding rows [r0, r1) of the SwiGLU backward's outputs, columns col0 .. col0 + cols: +0 in
 // dh (both halves) and act (the weight gradient reads a segment's rows up to a multiple of 16).
 __device__ __forceinline__ void zero_swiglu_bwd_rows(const Params& p, const SwiGLUBwd& bw, int r0, int r1, int col0,
-                                                     int cols) {
+                                                     int cols, int tid = threadIdx.x % 128, int nthreads = 128) {
   const int64_t ld = 2 * static_cast<int64_t>(p.N);
-  zero_rows(p.out, ld, r0, r1, col0, cols, p.N);
-  zero_rows(p.out + p.N, ld, r0, r1, col0, cols, p.N);
-  if (bw.act != nullptr) zero_rows(bw.act, p.N, r0, r1, col0, cols, p.N);
+  zero_rows(p.out, ld, r0, r1, col0, cols, p.N, tid, nthreads);
+  zero_rows(p.out + p.N, ld, r0, r1, col0, cols, p.N, tid, nthreads);
+  if (bw.act != nullptr) zero_rows(bw.act, p.N, r0, r1, col0, cols, p.N, tid, nthreads);
 }
 
-// The bf16 dgrad's epilogue (kWMN tasks against fc2): the warpgroup's 64 columns of the task, 64
-// tokens at a time through the staging tile (flush_swiglu_bwd).
-template <class Ring>
-__device__ __forceinline__ void store_task_swiglu_bwd(const Params& p, const Ring& sm, const Task& tk, int cw,
-                                                      const float (&acc)[128], const SwiGLUBwd& bw) {
+// ---- the bf16 down dgrad: the SwiGLU backward handed off to the epilogue warps --------------------
+
+// The SwiGLU backward reads the pre-activations and writes dh, act and the dot pieces: ~2.5x the
+// bytes of a plain epilogue, which, run by both consumer warpgroups at once after the MMA, left the
+// tensor pipe idle for it (ncu: 65% active against the fc1 dgrad's 90%). So the consumers only
+// stage each task's da tile (bf16) in shared memory and go on to the next task's MMA, and three
+// epilogue warps (warps 1-3 of the producer warpgroup, idle in these kernels) run the SwiGLU
+// backward from there while it runs. The tile (two [256 tokens][72] halves, 72 KB) takes a ring
+// stage's room: tuning::kSwiGLUBwdStages.
+constexpr int kEpilogueThreads = 96;  // warps 1-3
+constexpr int kHandoffBytesPerWG = kMaxTok * kStageStride * 2;
+
+struct HandoffSmem {
+  static constexpr int kStages = tuning::kSwiGLUBwdStages;
+  static constexpr int kOffHandoff = kStages * (kWBytes + kXBytes);
+  static constexpr int kOffBarriers = kOffHandoff + 2 * kHandoffBytesPerWG;
+  static constexpr int kBytes = kOffBarriers + (2 * kStages + 2) * 8 + 1024 /* alignment */;
+  uint8_t* base;
+  __device__ __forceinline__ uint8_t* w(int s) const { return base + s * kWBytes; }
+  __device__ __forceinline__ uint8_t* x(int s) const { return base + kStages * kWBytes + s * kXBytes; }
+  // consumer warpgroup cw's 64 columns of the tile: token c at row c (kStageStride columns)
+  __device__ __forceinline__ uint32_t handoff(int cw) const { return smem_u32(base + kOffHandoff) + cw * kHandoffBytesPerWG; }
+  __device__ __forceinline__ uint64_t* full(int s) const { return reinterpret_cast<uint64_t*>(base + kOffBarriers) + s; }
+  __device__ __forceinline__ uint64_t* empty(int s) const { return full(kStages + s); }
+  // the tile is staged (one arrival per consumer warp) / read (one per epilogue thread)
+  __device__ __forceinline__ uint64_t* handoff_full() const { return full(2 * kStages); }
+  __device__ __forceinline__ uint64_t* handoff_empty() const { return full(2 * kStages + 1); }
+};
+static_assert(HandoffSmem::kBytes + 4 * (kMaxSeg + 1) <= 227 * 1024, "shared memory");
+
+// One thread, before the block's first sync.
+__device__ __forceinline__ void init_handoff(const HandoffSmem& sm) {
+  mbar_init(sm.handoff_full(), 8);
+  mbar_init(sm.handoff_empty(), kEpilogueThreads);
+  mbar_fence_init();
+}
+
+// Consumer warpgroup cw, its j-th task (of n_tok tokens): its 64 columns of da into its half of the
+// tile, once the epilogue warps have read the previous task's.
+__device__ __forceinline__ void hand_off_da(const HandoffSmem& sm, int n_tok, int cw, const float (&acc)[128],
+                                            uint32_t j) {
   const int t = threadIdx.x % 128;
   const int w = t / 32, lane = t % 32;
-  const int bar = 2 + cw;
-  const uint32_t stg = smem_u32(sm.staging(cw));
-  const int col0 = tk.block * WM + cw * 64;
+  mbar_wait(sm.handoff_empty(), (j & 1) ^ 1);
+  const uint32_t tile = sm.handoff(cw);
 #pragma unroll
   for (int sl = 0; sl < kMaxTok / 64; ++sl) {
-    if (64 * sl >= tk.n_tok) break;
-    const int row0 = tk.row0 + 64 * sl;
-    const int n_real = tk.n_real - 64 * sl;
-    prefetch_swiglu_bwd(p, bw.h, row0, col0, n_real);
-    stage_plain(stg, acc, sl, w, lane);
-    flush_swiglu_bwd(p, stg, bw, row0, col0, n_real, bar);
+    if (64 * sl >= n_tok) break;
+    stage_plain(tile + 2 * 64 * sl * kStageStride, acc, sl, w, lane);
   }
-  if (tk.pad1 > tk.pad0) zero_swiglu_bwd_rows(p, bw, tk.pad0, tk.pad1, col0, 64);
+  __syncwarp();  // the warp's stmatrix stores before its arrival
+  if (lane == 0) mbar_arrive(sm.handoff_full());
+}
+
+// Epilogue thread tid (of kEpilogueThreads), the CTA's j-th task: the task's 128 columns of dh (and
+// act, dot) from its da tile, then the segment's padding rows.
+__device__ __forceinline__ void swiglu_bwd_task(const Params& p, const HandoffSmem& sm, const Task& tk,
+                                                const SwiGLUBwd& bw, int tid, uint32_t j) {
+  const int64_t ld = 2 * static_cast<int64_t>(p.N);
+  const int col0 = tk.block * WM;
+  mbar_wait(sm.handoff_full(), j & 1);
+  // the task's gate and up rows into L2 ahead of the pieces (four 128-byte lines a row)
+  for (int idx = tid; idx < 4 * tk.n_real; idx += kEpilogueThreads) {
+    const int c = idx / 4, col = col0 + 64 * (idx % 2);
+    if (col < p.N) prefetch_l2(bw.h + (tk.row0 + c) * ld + (idx % 4 / 2) * p.N + col);
+  }
+  // Piece idx: token row idx / 16, half idx / 8 % 2, 8 columns idx % 8 of the half (a row's 16 pieces on
+  // 16 consecutive lanes; a warp's pieces are all below n or none: n_tok % 16 == 0). A thread's pieces
+  // are idx = tid + kEpilogueThreads i; the global loads of i + 1 .. i + kAhead are in flight while
+  // piece i's arithmetic runs (with none, the loop waited on each piece's loads).
+  constexpr int kAhead = tuning::kSwiGLUBwdPiecesAhead;
+  const int n = 16 * tk.n_tok;
+  const auto load = [&](int idx) {
+    const int c = idx / 16, col = col0 + 64 * (idx / 8 % 2) + 8 * (idx % 8);
+    return load_swiglu_bwd_piece(p, bw, tk.row0 + c, col, idx < n && c < tk.n_real && col < p.N);
+  };
+  SwiGLUBwdPiece ahead[kAhead];
+#pragma unroll
+  for (int k = 0; k < kAhead; ++k) ahead[k] = load(tid + k * kEpilogueThreads);
+  for (int idx = tid; idx < n; idx += kEpilogueThreads) {
+    const SwiGLUBwdPiece in = ahead[0];
+#pragma unroll
+    for (int k = 0; k + 1 < kAhead; ++k) ahead[k] = ahead[k + 1];
+    ahead[kAhead - 1] = load(idx + kAhead * kEpilogueThreads);
+    const int c = idx / 16, half = idx / 8 % 2, col = col0 + 64 * half + 8 * (idx % 8);
+    const uint4 da = c < tk.n_real && col < p.N ? ld_shared_v4(sm.handoff(half) + 2 * (c * kStageStride + 8 * (idx % 8)))
+                                                : make_uint4(0, 0, 0, 0);
+    swiglu_bwd_piece<false>(p, bw, in, da, tk.row0 + c, col0 + 64 * half, idx % 8, c < tk.n_real, {});
+  }
+  mbar_arrive(sm.handoff_empty());
+  if (tk.pad1 > tk.pad0) zero_swiglu_bwd_rows(p, bw, tk.pad0, tk.pad1, col0, WM, tid, kEpilogueThreads);
 }
 
 // ---- host side -----------------------------------------------------------------------------------
