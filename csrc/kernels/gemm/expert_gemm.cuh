@@ -825,7 +825,7 @@ static_assert(HandoffSmem::kBytes + 4 * (kMaxSeg + 1) <= 227 * 1024, "shared mem
 
 // One thread, before the block's first sync.
 __device__ __forceinline__ void init_handoff(const HandoffSmem& sm) {
-  mbar_init(sm.handoff_full(), 8);
+  mbar_init(sm.handoff_full(), gemm::kConsumerWarps);
   mbar_init(sm.handoff_empty(), kEpilogueThreads);
   mbar_fence_init();
 }
