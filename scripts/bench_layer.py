@@ -902,6 +902,10 @@ class NotRunnable(RuntimeError):
     """This backend cannot run on this machine (its rows say status 'not_runnable')."""
 
 
+class DoesNotFit(RuntimeError):
+    """The weights this row keeps resident exceed the GPU at this EP (status 'does_not_fit')."""
+
+
 def backend_alltoall_fp8(c, dev):
     why = fp8_grouped_mm_unsupported(dev)
     if why:
@@ -1311,6 +1315,17 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.2f}"
 
 
+def weights_do_not_fit(shape: str, backend: str, pass_: str, ep: int, total: int) -> str | None:
+    """Why a row cannot run on a GPU of `total` bytes whatever its T (None: its resident weights fit):
+    the weights it keeps resident (resident_weight_bytes) alone exceed the GPU, so no token count
+    fits at this EP; said before anything is allocated, instead of an out-of-memory error."""
+    need = resident_weight_bytes(shape, backend, pass_, ep)
+    if sum(need.values()) <= total:
+        return None
+    return (f"no T fits at EP={ep}: resident weights {_gib(sum(need.values()))} GiB > the GPU's {_gib(total)} GiB ("
+            + ", ".join(f"{k} {_gib(v)}" for k, v in need.items()) + ")")
+
+
 def memory_state(dev) -> dict:
     """Bytes allocated and reserved by PyTorch's caching allocator, free and total on the device."""
     free, total = torch.cuda.mem_get_info(dev)
@@ -1365,6 +1380,12 @@ def _run_case(args, backends, dev, shape, routing, T, gate, gate_error, ep) -> l
     rows = []
     err = None
     mem = memory_state(dev)
+    unfit = {be: why for be in backends if (why := weights_do_not_fit(shape, be, PASS, ep, mem["total"]))}
+    if len(unfit) == len(backends):  # no row can run: the inputs are not even built
+        for be in backends:
+            log(f"{shape:16s} T={T:5d} {routing:7s} {be:24s} DOES_NOT_FIT {unfit[be]}")
+        return [dict(shape=shape, tokens=T, backend=be, ep=ep, routing=routing, pass_=row_pass(),
+                     precision=backend_precision(be), status="does_not_fit", error=unfit[be]) for be in backends]
     try:
         c = make_case(shape, T, routing, args.seed, dev)
     except torch.OutOfMemoryError as exc:  # e.g. all experts of a large model on one GPU (EP=1)
@@ -1395,6 +1416,8 @@ def _run_case(args, backends, dev, shape, routing, T, gate, gate_error, ep) -> l
                 f"{_gib(mem['reserved'])} GiB reserved, {_gib(mem['free'])} of {_gib(mem['total'])} GiB free; "
                 "weights resident in this row: "
                 + ", ".join(f"{k} {_gib(v)} GiB" for k, v in resident_weight_bytes(shape, be, PASS, ep).items()))
+            if be in unfit:
+                raise DoesNotFit(unfit[be])
             if is_mok(be):
                 cfg = mok_config(config_overrides(be))
                 row["config"] = dataclasses.asdict(cfg)
@@ -1467,6 +1490,8 @@ def _run_case(args, backends, dev, shape, routing, T, gate, gate_error, ep) -> l
                 t = row["timeline"][0]
                 log(f"  timeline rank 0: span {t['span_us']} us, SM time {t['leader_time']}, "
                     + ", ".join(f"{k} {v['tasks']} x {v['tile_us_mean']} us" for k, v in t["per_kind"].items()))
+        except DoesNotFit as exc:
+            row.update(status="does_not_fit", error=str(exc))
         except NotRunnable as exc:
             row.update(status="not_runnable", error=str(exc))
         except Exception as exc:  # noqa: BLE001

@@ -475,12 +475,70 @@ def test_resident_weights_of_deepseek_v3_at_ep1():
         == 2 * (routed // 2 + 3 * 7168 * 2048)
 
 
+def _fake_driver(monkeypatch, bl, make_case, fns, empty_cache=lambda: None, gib=80):
+    """bench_layer's driver on the CPU: one rank without a process group, a GPU of `gib` GiB, the
+    baselines `fns` (name -> backend function), timing that returns at once."""
+    import types
+
+    fake_dist = types.SimpleNamespace(barrier=lambda *a, **k: None, get_rank=lambda *a: 0, get_world_size=lambda *a: 1,
+                                      is_initialized=lambda: False, all_reduce=lambda *a, **k: None,
+                                      ReduceOp=types.SimpleNamespace(MAX=None, MIN=None))
+    cuda = bl.torch.cuda
+    monkeypatch.setattr(bl, "dist", fake_dist)
+    monkeypatch.setattr(bl, "make_case", make_case)
+    monkeypatch.setattr(bl, "BASELINES", {"alltoall": "bf16", "alltoall_fp8": "fp8", "symm_a2a": "bf16"})
+    monkeypatch.setattr(bl, "BACKEND_FNS", fns)
+    monkeypatch.setattr(bl, "time_iters", lambda step, iters, warmup: [1.0] * iters)
+    monkeypatch.setattr(cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(cuda, "empty_cache", empty_cache)
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda *a, **k: None)
+    for name in ("memory_allocated", "memory_reserved", "max_memory_allocated"):
+        monkeypatch.setattr(cuda, name, lambda *a, **k: 0)
+    monkeypatch.setattr(cuda, "mem_get_info", lambda *a, **k: (gib * 2**30, gib * 2**30))
+    monkeypatch.setattr(bl.traceback, "print_exc", lambda *a, **k: None)
+
+
+def test_rows_whose_weights_exceed_the_gpu_say_so_before_anything_is_built(monkeypatch, tmp_path):
+    """DeepSeek-V4-Pro's backward at EP=1 keeps 94.75 GiB of weights and weight gradients: on an 80
+    GiB GPU no token count fits, and the row says so with the figures instead of running out of
+    memory; nothing is built when no row fits. Where some rows fit (DeepSeek-V3's bf16 backward on a
+    60 GiB GPU, not its fp8 one with 21 GiB of e4m3 copies more), only the others are skipped."""
+    bl = _bench()
+    built, ran = [], []
+
+    def fake_case(shape, T, routing, seed, dev):
+        built.append((shape, T))
+        return {"E": 4, "H": 8, "I": 4, "k": 2, "Is": 4, "T": T, "nle": 4, "x": torch.zeros(4)}
+
+    def backend(name):
+        def make(c, dev):
+            ran.append(name)
+            return lambda: torch.zeros(8)
+        return make
+
+    fns = {be: backend(be) for be in ("alltoall", "alltoall_fp8")}
+    _fake_driver(monkeypatch, bl, fake_case, fns, gib=80)
+    monkeypatch.setattr(bl, "PASS", "bwd")
+    args = bl.parse_args(["--shape", "deepseek-v4-pro", "--backends", "alltoall,alltoall_fp8", "--tokens", "4096",
+                          "--iters", "3", "--tmp-dir", str(tmp_path), "--skip-gate", "--pass", "bwd"])
+    rows = bl.run_cases(args, args.backends_list, torch.device("cpu"))
+    assert built == [] and ran == [] and [r["status"] for r in rows] == ["does_not_fit"] * 2
+    assert rows[0]["error"].startswith("no T fits at EP=1: resident weights 94.75 GiB > the GPU's 80.00 GiB")
+    assert "e4m3_weights 47.25" in rows[1]["error"]
+
+    _fake_driver(monkeypatch, bl, fake_case, fns, gib=60)
+    args = bl.parse_args(["--shape", "deepseek-v3", "--backends", "alltoall,alltoall_fp8", "--tokens", "4096",
+                          "--iters", "3", "--tmp-dir", str(tmp_path), "--skip-gate", "--pass", "bwd"])
+    rows = bl.run_cases(args, args.backends_list, torch.device("cpu"))
+    assert built == [("deepseek-v3", 4096)] and ran == ["alltoall"]
+    assert [r["status"] for r in rows] == ["ok", "does_not_fit"] and "63.16 GiB > the GPU's 60.00" in rows[1]["error"]
+
+
 def test_every_row_starts_clean_and_a_failed_row_leaves_nothing(monkeypatch, tmp_path):
     """The driver on the CPU with fake backends: a row that fails (its frame holding a tensor), a row
     that keeps a tensor in its step closure, then a row that checks both are gone before it starts;
     the allocator cache is emptied between rows and between token counts, and a token count's
     inputs are built only once the previous one's are freed."""
-    import types
     import weakref
 
     bl = _bench()
@@ -515,22 +573,8 @@ def test_every_row_starts_clean_and_a_failed_row_leaves_nothing(monkeypatch, tmp
         events.append("checking")
         return lambda: torch.zeros(8)
 
-    fake_dist = types.SimpleNamespace(barrier=lambda *a, **k: None, get_rank=lambda *a: 0, get_world_size=lambda *a: 1,
-                                      is_initialized=lambda: False, all_reduce=lambda *a, **k: None,
-                                      ReduceOp=types.SimpleNamespace(MAX=None, MIN=None))
-    cuda = bl.torch.cuda
-    monkeypatch.setattr(bl, "dist", fake_dist)
-    monkeypatch.setattr(bl, "make_case", fake_case)
-    monkeypatch.setattr(bl, "BASELINES", {"alltoall": "bf16", "alltoall_fp8": "fp8", "symm_a2a": "bf16"})
-    monkeypatch.setattr(bl, "BACKEND_FNS", {"alltoall_fp8": failing, "alltoall": keeping, "symm_a2a": checking})
-    monkeypatch.setattr(bl, "time_iters", lambda step, iters, warmup: [1.0] * iters)
-    monkeypatch.setattr(cuda, "synchronize", lambda *a, **k: None)
-    monkeypatch.setattr(cuda, "empty_cache", lambda: events.append("empty_cache"))
-    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda *a, **k: None)
-    for name in ("memory_allocated", "memory_reserved", "max_memory_allocated"):
-        monkeypatch.setattr(cuda, name, lambda *a, **k: 0)
-    monkeypatch.setattr(cuda, "mem_get_info", lambda *a, **k: (80 * 2**30, 80 * 2**30))
-    monkeypatch.setattr(bl.traceback, "print_exc", lambda *a, **k: None)
+    _fake_driver(monkeypatch, bl, fake_case, {"alltoall_fp8": failing, "alltoall": keeping, "symm_a2a": checking},
+                 lambda: events.append("empty_cache"))
     monkeypatch.setattr(bl, "PASS", "fwd")
     args = bl.parse_args(["--backends", "alltoall_fp8,alltoall,symm_a2a", "--tokens", "16,32", "--iters", "3",
                           "--tmp-dir", str(tmp_path), "--skip-gate"])
