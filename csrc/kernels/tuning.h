@@ -53,10 +53,16 @@ constexpr int kRegsAtLaunch = 168;
 static_assert(kProducerRegs + 2 * kConsumerRegs <= 3 * kRegsAtLaunch, "setmaxnreg split");
 static_assert(kEpilogueWarpRegs + 2 * kHandoffConsumerRegs <= 3 * kRegsAtLaunch, "setmaxnreg split");
 // Pieces (8 columns of a token row) an epilogue thread has its global loads in flight for, ahead of
-// the one it computes: the down dgrad at the one-GPU proxy's T=2048 ran 1.16 ms with none, 1.08
-// with one and with three (three in the run that measured the layer against the consumers'
-// epilogue, docs/DESIGN.md section 8).
+// the one it computes: the down dgrads at the one-GPU proxy's T=2048 (routed and shared, one kernel
+// name in the layer's trace) ran 1.16 ms with none, 1.08 with one and with three (three in the run
+// that measured the layer against the consumers' epilogue, docs/DESIGN.md section 8).
 constexpr int kSwiGLUBwdPiecesAhead = 3;
+// Values of a SwiGLU-backward piece whose divisions by 1 + exp(-g) overlap (silu_and_sigmoid, no
+// branch): 4 in the bf16 down dgrad's epilogue warps (the bf16 backward within the run's spread:
+// those warps wait for work, not for these divisions); 2 in the e4m3 row tasks' consumers, where 4
+// spilled beside their accumulators (their down dgrad at the one-GPU proxy 0.71 against 0.78 ms).
+constexpr int kSwiGLUBwdGroup = 4;
+constexpr int kSwiGLUBwdGroupE4m3 = 2;
 // e4m3 GEMMs: two register sets (128 sums + 64 block sums) need 240 a consumer thread; the
 // producer then has 24 (56 / 224 spilled).
 constexpr int kE4m3ProducerRegs = 24;

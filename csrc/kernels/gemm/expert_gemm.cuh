@@ -735,16 +735,19 @@ __device__ __forceinline__ void swiglu_bwd_piece(const Params& p, const SwiGLUBw
   const int col = col0 + 8 * piece;
   const bool live = row_real && col < p.N;
   if (!lanes_meet && !live) return;  // warp-uniform: lanes_meet is
-  float g[8], u[8], d[8], dg[8], du[8];
+  float g[8], u[8], d[8], dg[8], du[8], s[8], sig[8];
   const float w = in.w;
   unpack8(in.g, g);
   unpack8(in.u, u);
   unpack8(da, d);
+  constexpr int kGroup = kE4m3 ? tuning::kSwiGLUBwdGroupE4m3 : tuning::kSwiGLUBwdGroup;
+#pragma unroll
+  for (int j = 0; j < 8; j += kGroup) silu_and_sigmoid<kGroup>(g + j, s + j, sig + j);
   if (need_act) {
     float a[8], dot = 0.f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      a[j] = swiglu(g[j], u[j]);
+      a[j] = __fmul_rn(s[j], u[j]);  // swiglu(g, u)
       dot = __fadd_rn(dot, __fmul_rn(d[j], a[j]));
       a[j] = __fmul_rn(w, a[j]);
     }
@@ -757,7 +760,7 @@ __device__ __forceinline__ void swiglu_bwd_piece(const Params& p, const SwiGLUBw
     }
   }
 #pragma unroll
-  for (int j = 0; j < 8; ++j) swiglu_grad(g[j], u[j], __fmul_rn(w, d[j]), dg[j], du[j]);
+  for (int j = 0; j < 8; ++j) swiglu_grad(g[j], u[j], __fmul_rn(w, d[j]), sig[j], dg[j], du[j]);
   const uint4 dg16 = pack8(dg), du16 = pack8(du);
   if (live) {
     __nv_bfloat16* dst = p.out + r * ld + col;
