@@ -1320,9 +1320,10 @@ def weights_do_not_fit(shape: str, backend: str, pass_: str, ep: int, total: int
     the weights it keeps resident (resident_weight_bytes) alone exceed the GPU, so no token count
     fits at this EP; said before anything is allocated, instead of an out-of-memory error."""
     need = resident_weight_bytes(shape, backend, pass_, ep)
-    if sum(need.values()) <= total:
+    resident = sum(need.values())
+    if resident <= total:
         return None
-    return (f"no T fits at EP={ep}: resident weights {_gib(sum(need.values()))} GiB > the GPU's {_gib(total)} GiB ("
+    return (f"no T fits at EP={ep}: resident weights {_gib(resident)} GiB > the GPU's {_gib(total)} GiB ("
             + ", ".join(f"{k} {_gib(v)}" for k, v in need.items()) + ")")
 
 
@@ -1380,12 +1381,16 @@ def _run_case(args, backends, dev, shape, routing, T, gate, gate_error, ep) -> l
     rows = []
     err = None
     mem = memory_state(dev)
+
+    def row_of(be, **fields) -> dict:  # what every row of this case says about itself, and `fields`
+        return dict(shape=shape, tokens=T, backend=be, ep=ep, routing=routing, pass_=row_pass(),
+                    precision=backend_precision(be), **fields)
+
     unfit = {be: why for be in backends if (why := weights_do_not_fit(shape, be, PASS, ep, mem["total"]))}
     if len(unfit) == len(backends):  # no row can run: the inputs are not even built
         for be in backends:
             log(f"{shape:16s} T={T:5d} {routing:7s} {be:24s} DOES_NOT_FIT {unfit[be]}")
-        return [dict(shape=shape, tokens=T, backend=be, ep=ep, routing=routing, pass_=row_pass(),
-                     precision=backend_precision(be), status="does_not_fit", error=unfit[be]) for be in backends]
+        return [row_of(be, status="does_not_fit", error=unfit[be]) for be in backends]
     try:
         c = make_case(shape, T, routing, args.seed, dev)
     except torch.OutOfMemoryError as exc:  # e.g. all experts of a large model on one GPU (EP=1)
@@ -1395,8 +1400,7 @@ def _run_case(args, backends, dev, shape, routing, T, gate, gate_error, ep) -> l
         log(f"{shape:16s} T={T:5d} ERROR {err}")
         release_memory(dev)
         dist.barrier()
-        return [dict(shape=shape, tokens=T, backend=be, ep=ep, routing=routing, pass_=row_pass(),
-                     precision=backend_precision(be), status="error", error=err) for be in backends]
+        return [row_of(be, status="error", error=err) for be in backends]
     flops = 6 * T * c["k"] * c["H"] * c["I"] + 6 * T * c["H"] * c["Is"]
     if PASS == "bwd":
         flops *= 2
@@ -1405,8 +1409,7 @@ def _run_case(args, backends, dev, shape, routing, T, gate, gate_error, ep) -> l
     ref_bits: dict = {}  # _result_key -> (backend, output): the first mok variant of those bits
     saved = os.path.join(args.tmp_dir, f"mok_out_{PASS}_{shape}_{T}_{routing}_rank{dist.get_rank()}.pt")
     for i, be in enumerate(backends):
-        row = dict(shape=shape, tokens=T, backend=be, ep=ep, routing=routing, pass_=row_pass(),
-                   precision=backend_precision(be), flops_per_rank=flops)
+        row = row_of(be, flops_per_rank=flops)
         step = out = cfg = None
         SAVED_BYTES.pop(be, None)  # nothing of an earlier token count's row is read for this one
         WEIGHT_QUANT_MS.pop(be, None)
