@@ -20,14 +20,14 @@ __device__ __forceinline__ void swiglu_grad(float g, float u, float d, float sig
 }
 
 // silu(g) (the bits of silu() above) and sig = 1 / (1 + exp(-g)) correctly rounded, of N values at
-// once. __fdiv_rn checks each division for its slow path inline, which makes every division a
-// block of its own (a dependent chain of MUFU and FMA, then a branch); one warp of an SM
-// sub-partition running the SwiGLU backward waits on them one after another. Here both divisions
-// by b = 1 + exp(-g) share one reciprocal, refined by FMAs (r ~ 1/b, then q = a r corrected by the
-// exact remainder a - b q, Markstein), with no branch, so the N values overlap. That is the correctly rounded quotient where b < 2^60 and a
-// is 0 or 2^-60 <= |a| <= 2^60 (no subnormal, infinite or NaN step); any other value of the N sends
-// all N through __fdiv_rn. The same bits as silu() and __fdiv_rn for every fp32 g: tested
-// (tests/gpu/test_swiglu_1gpu.py).
+// once. __fdiv_rn checks each division for its slow path inline, which makes every division a block
+// of its own (a dependent chain of MUFU and FMA, then a branch); one warp of an SM sub-partition
+// running the SwiGLU backward waits on them one after another. Here both divisions by
+// b = 1 + exp(-g) share one reciprocal, refined by FMAs (r ~ 1/b, then q = a r corrected by the
+// exact remainder a - b q, Markstein), with no branch, so the N values overlap. That is the
+// correctly rounded quotient where b < 2^60 and a is 0 or 2^-60 <= |a| <= 2^60 (no subnormal,
+// infinite or NaN step); any other value of the N sends all N through __fdiv_rn. The same bits as
+// silu() and __fdiv_rn for every fp32 g: tested (tests/gpu/test_swiglu_1gpu.py).
 __device__ __forceinline__ float rcp_approx(float b) {
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(b));
